@@ -1,0 +1,55 @@
+"""amp_patch: automatic mixed precision for existing PyTorch code, in one line.
+
+    model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O1")
+
+See the README for the opt levels, the op lists and the apex.amp drop-in.
+"""
+# torch imports torch._dynamo lazily, on the first optimizer.step(); that
+# import rebinds torch.manual_seed and adds submodules to vars(torch). Doing it
+# now keeps vars(torch) stable between initialize() and deinitialize(), so
+# "torch exactly as it was" is checkable by comparing vars().
+import torch._dynamo  # noqa: F401  isort: skip
+
+from .errors import (
+    AmpError,
+    BannedOpError,
+    CastError,
+    ConfigError,
+    ListError,
+    OverflowLoopError,
+    StateError,
+)
+from .frontend import (
+    deinitialize,
+    disable_casts,
+    float_function,
+    half_function,
+    initialize,
+    is_initialized,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmpError",
+    "BannedOpError",
+    "CastError",
+    "ConfigError",
+    "ListError",
+    "OverflowLoopError",
+    "StateError",
+    "deinitialize",
+    "disable_casts",
+    "float_function",
+    "half_function",
+    "initialize",
+    "is_initialized",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
+]

@@ -1,0 +1,127 @@
+"""The cast helper and the weight-cast cache.
+
+One recursive helper decides what a policy casts: floating tensors only, never
+float64 (autocast leaves it alone too), never integer, bool or complex tensors,
+and it recurses into tuples, lists and dicts. Containers are rebuilt only when
+something inside them changed, so the common no-cast call allocates nothing.
+
+The cache keeps the half-precision copy of an FP32 leaf tensor that requires
+grad (an ``nn.Parameter``), so a weight used many times in one iteration is
+cast once. An entry is valid while the parameter's version counter and storage
+are unchanged: an in-place edit, ``load_state_dict`` or an optimizer step bumps
+the version and the next use casts again.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict
+
+import torch
+
+Tensor = torch.Tensor
+f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+LOW = (f16, bf16)
+#: dtypes a policy may cast from or to; float64 is deliberately absent.
+CASTABLE = frozenset((f16, bf16, f32))
+
+
+class CastCache:
+    """Half copies of FP32 parameters, one entry per (tensor, dtype, grad mode)."""
+
+    def __init__(self) -> None:
+        self._entries: Dict[tuple, tuple] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def cast(self, t: Tensor, to: torch.dtype) -> Tensor:
+        # Only leaves that require grad are cached, as autocast does: their
+        # cast is the expensive, repeated one, and they are not views of
+        # activations that change every call.
+        if not (t.is_leaf and t.requires_grad):
+            return t.to(to)
+        grad = torch.is_grad_enabled()
+        key = (id(t), to, grad)
+        entry = self._entries.get(key)
+        if entry is not None:
+            src, version, ptr, out = entry
+            if src is t and version == t._version and ptr == t.data_ptr():
+                self.hits += 1
+                return out
+        out = t.to(to)
+        self.misses += 1
+        with self._lock:
+            self._entries[key] = (t, t._version, t.data_ptr(), out)
+        return out
+
+
+def floating_dtypes(obj: Any, found: set) -> set:
+    """Add the castable floating dtypes of every tensor in ``obj`` to ``found``."""
+    if isinstance(obj, Tensor):
+        dt = obj.dtype
+        if dt in CASTABLE:
+            found.add(dt)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            floating_dtypes(x, found)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            floating_dtypes(x, found)
+    return found
+
+
+def needs_cast(obj: Any, to: torch.dtype) -> bool:
+    """True if some castable floating tensor in ``obj`` is not already ``to``."""
+    if isinstance(obj, Tensor):
+        dt = obj.dtype
+        return dt is not to and dt in CASTABLE
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            if needs_cast(x, to):
+                return True
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            if needs_cast(x, to):
+                return True
+    return False
+
+
+def cast(obj: Any, to: torch.dtype, cache: CastCache | None, stats=None) -> Any:
+    """Return ``obj`` with every castable floating tensor converted to ``to``.
+
+    ``stats``, when given, is called as ``stats(nbytes)`` for each cast made
+    (the op ledger); ``None`` costs nothing.
+    """
+    if isinstance(obj, Tensor):
+        dt = obj.dtype
+        if dt is to or dt not in CASTABLE:
+            return obj
+        if stats is not None:
+            stats(obj.numel() * obj.element_size())
+        if cache is not None and to is not f32:
+            return cache.cast(obj, to)
+        return obj.to(to)
+    if isinstance(obj, (list, tuple)):
+        new = [cast(x, to, cache, stats) for x in obj]
+        if all(a is b for a, b in zip(new, obj)):
+            return obj
+        if isinstance(obj, tuple):
+            # namedtuples (e.g. PackedSequence) are rebuilt field by field
+            return type(obj)(*new) if hasattr(obj, "_fields") else tuple(new)
+        return new
+    if isinstance(obj, dict):
+        changed = False
+        out = {}
+        for k, v in obj.items():
+            nv = cast(v, to, cache, stats)
+            changed = changed or nv is not v
+            out[k] = nv
+        return out if changed else obj
+    return obj

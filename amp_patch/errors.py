@@ -1,0 +1,39 @@
+"""Exceptions amp_patch raises. Each message names the input and the fix."""
+from __future__ import annotations
+
+
+class AmpError(Exception):
+    """Base class of every amp_patch error."""
+
+
+class ListError(AmpError, ValueError):
+    """An op list (default or user override) is invalid.
+
+    Raised before anything is patched, so torch is left untouched.
+    """
+
+
+class ConfigError(AmpError, ValueError):
+    """``initialize`` got an invalid opt level, option or combination."""
+
+
+class BannedOpError(AmpError, NotImplementedError):
+    """An op that is unsafe in FP16 was called while FP16 casting is on.
+
+    It is a ``NotImplementedError`` as in apex.amp, so existing handlers
+    keep working.
+    """
+
+
+class CastError(AmpError, RuntimeError):
+    """A call cannot run in the precision its policy asks for (e.g. an
+    in-place FP32 op on an FP16 tensor)."""
+
+
+class StateError(AmpError, RuntimeError):
+    """An amp_patch function was called in the wrong order (e.g. ``scale_loss``
+    before ``initialize``)."""
+
+
+class OverflowLoopError(AmpError, FloatingPointError):
+    """The loss scale is at its minimum and steps keep overflowing."""

@@ -1,0 +1,345 @@
+"""The public front door: ``initialize``, ``deinitialize``, ``disable_casts``
+and the registration functions.
+
+``initialize`` validates everything first (opt level, options, op lists,
+models, optimizers), then changes things in a fixed order: model conversion,
+optimizer attachment (master weights, loss scaling), function patches. If any
+step fails, what was done is undone before the error propagates, so torch is
+never left half-patched.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _state, oplists
+from ._state import AmpState
+from .errors import ConfigError, StateError
+from .oplists import NAMESPACES
+from .properties import Properties, resolve
+from .wrappers import _DecoratorPolicy, make_wrapper, switch
+
+log = logging.getLogger("amp_patch")
+_lock = threading.RLock()
+
+#: options ``initialize`` accepts besides the Apex property overrides; the
+#: modules that own them read them from ``AmpState.options``.
+EXTRA_OPTIONS = (
+    "num_losses", "min_loss_scale", "max_loss_scale", "init_scale", "growth_factor", "backoff_factor",
+    "growth_interval", "hysteresis", "max_consecutive_skips", "keep_fp32", "save_dtype",
+    "collect_stats", "find_overflow", "verbosity", "enabled",
+)
+
+# User registrations (register_*_function): (owner, name, policy), applied at
+# every initialize that patches functions, and at once if one is running.
+_user_registrations: List[Tuple[Any, str, str]] = []
+
+
+def _as_list(obj: Any, kind: type, what: str) -> Tuple[List[Any], bool]:
+    if obj is None:
+        return [], False
+    if isinstance(obj, (list, tuple)):
+        items, was_list = list(obj), True
+    else:
+        items, was_list = [obj], False
+    for i, x in enumerate(items):
+        if not isinstance(x, kind):
+            where = f"{what}[{i}]" if was_list else what
+            raise ConfigError(
+                f"{where} is a {type(x).__module__}.{type(x).__qualname__}; initialize expects "
+                f"{'torch.nn.Module' if kind is torch.nn.Module else 'torch.optim.Optimizer'} "
+                f"(or a list of them). Call amp_patch.initialize(model, optimizer, opt_level=...)."
+            )
+    return items, was_list
+
+
+def _device_type(models: Sequence[torch.nn.Module]) -> str:
+    for m in models:
+        for t in list(m.parameters()) + list(m.buffers()):
+            return t.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_models(models: Sequence[torch.nn.Module], props: Properties) -> None:
+    for i, m in enumerate(models):
+        tensors = list(m.parameters()) + list(m.buffers())
+        if any(t.device.type == "meta" for t in tensors):
+            raise ConfigError(
+                f"model {i} ({type(m).__name__}) has tensors on the meta device. Materialize it first "
+                f"(model.to_empty(device='cpu') and load its weights), then call initialize."
+            )
+        if props.cast_model_type is not None and not any(p.is_floating_point() for p in m.parameters()):
+            raise ConfigError(
+                f"model {i} ({type(m).__name__}) has no floating-point parameters, so opt_level="
+                f"{props.opt_level!r} has nothing to cast. Use O1/O4 (function patching) or pass the model that holds the weights."
+            )
+
+
+def _patch_items(amp: AmpState) -> list:
+    """(owner, name, make_wrapper) for every op in force, plus user registrations."""
+    props = amp.props
+    items = []
+    for (ns, name), e in sorted(amp.table.items()):
+        items.append((NAMESPACES[ns], name, _maker(e.policy, e.qualname, ns == "torch.Tensor", amp, e.fix)))
+    for owner, name, policy in _user_registrations:
+        qual = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+        items.append((owner, name, _maker(policy, qual, isinstance(owner, type), amp, "")))
+    return items
+
+
+def _maker(policy: str, qualname: str, method: bool, amp: AmpState, fix: str) -> Callable:
+    def make(original):
+        return make_wrapper(
+            policy, qualname, original, method=method, half=amp.props.half_dtype,
+            cache=amp.cache, ledger=amp.ledger, fix=fix,
+        )
+
+    return make
+
+
+def initialize(
+    models: Any,
+    optimizers: Any = None,
+    opt_level: str = "O1",
+    *,
+    half_dtype: Any = None,
+    lists: Any = None,
+    verbosity: int = 1,
+    **overrides: Any,
+) -> Any:
+    """Enable mixed precision for existing models and optimizers.
+
+    Args:
+        models: an ``nn.Module`` or a list of them (``None`` is allowed at
+            O1/O4, where nothing about the model changes).
+        optimizers: a ``torch.optim.Optimizer``, a list of them, or ``None``.
+        opt_level: ``"O0"`` (FP32) ... ``"O5"``, with apex.amp's meanings;
+            O4/O5 are the BF16 forms of O1/O2.
+        half_dtype: ``torch.float16`` / ``torch.bfloat16`` (or their names);
+            default FP16 for a CUDA model and BF16 for a CPU model.
+        lists: op-list overrides: a YAML path, a dict, or a list of them
+            (``$AMP_PATCH_LISTS`` adds more).
+        verbosity: 0 silences amp_patch's informational messages.
+        **overrides: apex.amp property overrides (``cast_model_type``,
+            ``patch_torch_functions``, ``keep_batchnorm_fp32``,
+            ``master_weights``, ``loss_scale``, ``cast_model_outputs``) and the
+            options in ``EXTRA_OPTIONS`` (loss scaler settings, ``keep_fp32``,
+            ``collect_stats``, ``find_overflow``, ...).
+
+    Returns:
+        ``(models, optimizers)`` in the structure they were given, or just the
+        models when ``optimizers`` is None.
+
+    Raises:
+        ConfigError: bad opt level, option, model or optimizer; nothing changed.
+        ListError: invalid op lists; nothing changed.
+
+    Example::
+
+        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O1")
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()        # scaled and unscaled for you
+            optimizer.step()       # skipped when gradients overflowed
+        amp_patch.deinitialize()   # torch exactly as before
+    """
+    with _lock:
+        return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides)
+
+
+def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides):
+    from . import model as model_side
+    from . import scaling
+
+    model_list, models_were_list = _as_list(models, torch.nn.Module, "models")
+    opt_list, opts_were_list = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    options = {k: overrides.pop(k) for k in list(overrides) if k in EXTRA_OPTIONS}
+    options["verbosity"] = verbosity
+    device_type = _device_type(model_list)
+    props = resolve(opt_level, device_type, half_dtype, **overrides)
+    if props.cast_model_type is not None and not model_list:
+        raise ConfigError(f"opt_level={props.opt_level!r} casts the model, so initialize needs the model (got none)")
+    _check_models(model_list, props)
+    table = oplists.load(lists).resolve(props.half_dtype, device_type) if props.patch_torch_functions else None
+    scaling.validate_options(props, options)
+    model_side.validate(model_list, opt_list, props, options)
+
+    amp = _state.current()
+    fresh = amp is None
+    if not fresh:
+        if amp.props != props:
+            raise ConfigError(
+                f"amp_patch is already initialized with opt_level={amp.props.opt_level!r}, "
+                f"half_dtype={amp.props.half_dtype}; this call asks for opt_level={props.opt_level!r}, "
+                f"half_dtype={props.half_dtype}. Use the same settings for every model, or call "
+                f"amp_patch.deinitialize() first."
+            )
+        if lists is not None:
+            raise ConfigError("lists= can only be given to the first initialize; call amp_patch.deinitialize() to change the op lists")
+        clash = [m for m in model_list if any(m is x for x in amp.models)]
+        if clash:
+            raise ConfigError(f"model {type(clash[0]).__name__} is already initialized; pass each model to initialize once")
+    else:
+        amp = AmpState(props, table, device_type)
+        amp.options = options
+        if options.get("collect_stats"):
+            from .stats import Ledger
+
+            amp.ledger = Ledger()
+
+    n_models, n_opts = len(amp.models), len(amp.optimizers)
+    try:
+        if fresh:
+            _state.set_current(amp)
+        model_side.attach(amp, model_list, opt_list)
+        scaling.attach(amp, opt_list, fresh)
+        amp.models.extend(model_list)
+        amp.optimizers.extend(opt_list)
+        if fresh:
+            amp.patcher.apply([(torch.Tensor, "backward", scaling.make_backward_patch(amp))])
+            if props.patch_torch_functions:
+                amp.patcher.apply(_patch_items(amp))
+            if options.get("find_overflow"):
+                from . import diagnostics
+
+                diagnostics.arm_find_overflow(amp)
+    except BaseException:
+        if fresh:
+            _teardown(amp)
+        else:
+            del amp.models[n_models:]
+            del amp.optimizers[n_opts:]
+        raise
+    if fresh and verbosity:
+        log.info("amp_patch: initialized %s with %s", props.opt_level, props.half_dtype)
+        from . import diagnostics
+
+        diagnostics.warn_at_initialize(amp, model_list, opt_list)
+
+    out_models = model_list if models_were_list else (model_list[0] if model_list else models)
+    if optimizers is None:
+        return out_models
+    return out_models, (opt_list if opts_were_list else opt_list[0])
+
+
+def _teardown(amp: AmpState) -> None:
+    """Undo everything ``amp`` did, newest first; never raises half way."""
+    errors = []
+    for cb in reversed(amp.undo_callbacks):
+        try:
+            cb()
+        except Exception as e:  # keep undoing: a partial undo is the worst outcome
+            errors.append(e)
+    amp.undo_callbacks.clear()
+    amp.patcher.undo()
+    amp.cache.clear()
+    _state.set_current(None)
+    if errors:
+        raise errors[0]
+
+
+def deinitialize() -> None:
+    """Undo ``initialize``: torch, the models and the optimizers as they were.
+
+    Every patched attribute is restored in reverse order, so ``vars(torch)``,
+    ``vars(torch.nn.functional)``, ``vars(torch.Tensor)`` and ``vars(torch.linalg)``
+    hold exactly the objects they held before. An O2 model goes back to FP32
+    holding the master values, and its optimizer to its own parameters.
+    A no-op when nothing is initialized.
+
+    Raises:
+        StateError: when called inside an open ``scale_loss`` block.
+    """
+    with _lock:
+        amp = _state.current()
+        if amp is None:
+            return
+        if amp.in_scale_loss:
+            raise StateError(
+                "deinitialize() was called inside a `with amp_patch.scale_loss(...)` block; "
+                "leave the block first (its exit unscales the gradients), then deinitialize."
+            )
+        _teardown(amp)
+
+
+def is_initialized() -> bool:
+    """True between ``initialize`` and ``deinitialize``."""
+    return _state.current() is not None
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Turn amp_patch's casting off inside the block, for this thread only.
+
+    Nestable and exception-safe. Ops run in the dtypes of their inputs, and a
+    ``loss.backward()`` inside it is not loss-scaled.
+
+    Example::
+
+        with amp_patch.disable_casts():
+            p = torch.sigmoid(logits.float())
+            loss = F.binary_cross_entropy(p, target)   # banned op, run in FP32
+    """
+    switch.off += 1
+    try:
+        yield
+    finally:
+        switch.off -= 1
+
+
+def _register(owner: Any, name: str, policy: str) -> None:
+    if not hasattr(owner, name):
+        raise ConfigError(f"{getattr(owner, '__name__', owner)!r} has no attribute {name!r}; register_{policy}_function needs an existing function")
+    if not callable(getattr(owner, name)):
+        raise ConfigError(f"{getattr(owner, '__name__', owner)}.{name} is not callable")
+    for i, (o, n, _) in enumerate(_user_registrations):
+        if o is owner and n == name:
+            _user_registrations[i] = (owner, name, policy)
+            break
+    else:
+        _user_registrations.append((owner, name, policy))
+    amp = _state.current()
+    if amp is not None and amp.props.patch_torch_functions:
+        with _lock:
+            if amp.patcher.is_patched(owner, name):
+                raise StateError(
+                    f"{name} is already patched by the running amp_patch; register functions before "
+                    f"initialize, or deinitialize and initialize again"
+                )
+            qual = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+            amp.patcher.apply([(owner, name, _maker(policy, qual, isinstance(owner, type), amp, ""))])
+
+
+def register_half_function(module: Any, name: str) -> None:
+    """Run ``module.name`` in the half dtype under O1/O4 (apex.amp's name).
+
+    Call it before ``initialize``; called after, it patches at once.
+
+    Example::
+
+        amp_patch.register_half_function(my_extension, "fused_gemm")
+    """
+    _register(module, name, "half")
+
+
+def register_float_function(module: Any, name: str) -> None:
+    """Run ``module.name`` in FP32 under O1/O4 (apex.amp's name)."""
+    _register(module, name, "float")
+
+
+def register_promote_function(module: Any, name: str) -> None:
+    """Run ``module.name`` in the widest input dtype under O1/O4 (apex.amp's name)."""
+    _register(module, name, "promote")
+
+
+half_function = _DecoratorPolicy("half")
+half_function.__doc__ = "Decorator: run a user function in the half dtype while O1/O4 is active."
+float_function = _DecoratorPolicy("float")
+float_function.__doc__ = "Decorator: run a user function in FP32 while O1/O4 is active."
+promote_function = _DecoratorPolicy("promote")
+promote_function.__doc__ = "Decorator: run a user function in the widest input dtype while O1/O4 is active."

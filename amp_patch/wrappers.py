@@ -1,0 +1,282 @@
+"""Wrapper factories, one per casting policy, built on ``wrapt``.
+
+Every wrapper has wrapt's signature ``(wrapped, instance, args, kwargs)``. A
+*planner* looks at the arguments and returns the dtype to cast to, or ``None``
+when nothing needs casting; then the wrapper calls straight through. That
+no-cast path is the hot path: a thread-local read, the planner's dtype checks,
+and the call, with no allocation, formatting or logging.
+
+For a Tensor method wrapt hands us an already bound ``wrapped`` and the
+receiver as ``instance``; a bound method cannot cast its receiver, so the slow
+path calls the saved unbound original with the cast receiver.
+
+Policies:
+  * ``half``     - run in the low-precision dtype (FP16 or BF16)
+  * ``float``    - run in FP32
+  * ``promote``  - run in the widest floating dtype among the inputs
+  * ``sequence_promote`` - the same, for a list argument (``cat``, ``stack``)
+  * ``banned``   - FP16: raise ``BannedOpError`` naming the fix;
+                   BF16: resolved to ``float`` before a wrapper is built.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import wrapt
+
+from ._cast import CASTABLE, LOW, CastCache, cast, needs_cast
+from .errors import BannedOpError, CastError
+
+f32 = torch.float32
+Tensor = torch.Tensor
+
+POLICIES = ("half", "float", "promote", "sequence_promote", "banned")
+
+#: in-place operator dunders; ``name_`` methods are in-place by convention
+INPLACE_DUNDERS = frozenset(
+    "__i%s__" % op
+    for op in ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "matmul", "and", "or", "xor")
+)
+
+
+def is_inplace(name: str) -> bool:
+    return name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+
+
+class _Switch(threading.local):
+    """Per-thread casting switch; ``off`` > 0 inside ``disable_casts()``."""
+
+    off = 0
+
+
+switch = _Switch()
+
+_MIXED = object()
+
+
+def _scan(obj: Any, seen: Any) -> Any:
+    """Fold the castable dtypes of ``obj`` into ``seen``: None, a dtype, or _MIXED."""
+    if isinstance(obj, Tensor):
+        dt = obj.dtype
+        if dt in CASTABLE:
+            if seen is None:
+                return dt
+            if dt is not seen:
+                return _MIXED
+        return seen
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            seen = _scan(x, seen)
+            if seen is _MIXED:
+                return _MIXED
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            seen = _scan(x, seen)
+            if seen is _MIXED:
+                return _MIXED
+    return seen
+
+
+# ---------------------------------------------------------------- planners
+# A planner returns the dtype to cast every castable input to, or None.
+
+
+def _fixed_planner(to: torch.dtype) -> Callable:
+    def plan(instance, args, kwargs):
+        if (
+            (instance is not None and needs_cast(instance, to))
+            or needs_cast(args, to)
+            or (kwargs and needs_cast(kwargs, to))
+        ):
+            return to
+        return None
+
+    return plan
+
+
+def _promote_plan(instance, args, kwargs):
+    seen = None if instance is None else _scan(instance, None)
+    seen = _scan(args, seen)
+    if kwargs and seen is not _MIXED:
+        seen = _scan(kwargs, seen)
+    # A mix of FP32 with either half dtype, or of FP16 with BF16, runs in FP32.
+    return f32 if seen is _MIXED else None
+
+
+def make_planner(policy: str, half: torch.dtype) -> Callable:
+    if policy == "half":
+        return _fixed_planner(half)
+    if policy == "float":
+        return _fixed_planner(f32)
+    if policy in ("promote", "sequence_promote"):
+        return _promote_plan
+    raise ValueError(policy)
+
+
+# ---------------------------------------------------------------- factories
+
+
+def make_wrapper(
+    policy: str,
+    qualname: str,
+    original: Any,
+    *,
+    method: bool,
+    half: torch.dtype,
+    cache: Optional[CastCache],
+    ledger: Any = None,
+    fix: str = "",
+) -> wrapt.FunctionWrapper:
+    """Build the wrapt wrapper that applies ``policy`` to ``original``.
+
+    Args:
+        policy: one of ``POLICIES`` (``banned`` under BF16 must be resolved to
+            ``float`` by the caller).
+        qualname: the op's public name, e.g. ``torch.nn.functional.linear``.
+        original: the unwrapped callable (unbound for Tensor methods).
+        method: True for a ``torch.Tensor`` attribute (the receiver is cast too).
+        half: the low-precision dtype of this run.
+        cache: the weight-cast cache, or None.
+        ledger: the op ledger when stats are collected; None costs nothing.
+        fix: for ``banned``, what to use instead.
+    """
+    if policy == "banned":
+        return wrapt.FunctionWrapper(original, _banned(qualname, half, fix))
+    name = qualname.rpartition(".")[2]
+    plan = make_planner(policy, half)
+    if method and is_inplace(name):
+        fn = _inplace(policy, qualname, original, plan, half)
+    elif ledger is not None:
+        fn = _instrumented(qualname, policy, original, method, plan, cache, ledger)
+    elif method:
+        fn = _method(original, plan, cache)
+    else:
+        fn = _function(original, plan, cache)
+    return wrapt.FunctionWrapper(original, fn)
+
+
+def _function(original, plan, cache):
+    sw = switch
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if sw.off:
+            return wrapped(*args, **kwargs)
+        to = plan(None, args, kwargs)
+        if to is None:
+            return wrapped(*args, **kwargs)
+        return original(*cast(args, to, cache), **cast(kwargs, to, cache))
+
+    return wrapper
+
+
+def _method(original, plan, cache):
+    sw = switch
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if sw.off:
+            return original(instance, *args, **kwargs)
+        to = plan(instance, args, kwargs)
+        if to is None:
+            return original(instance, *args, **kwargs)
+        return original(cast(instance, to, cache), *cast(args, to, cache), **cast(kwargs, to, cache))
+
+    return wrapper
+
+
+def _inplace(policy, qualname, original, plan, half):
+    """In-place Tensor ops: the receiver keeps its dtype, the others follow it."""
+    sw = switch
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if sw.off or not isinstance(instance, Tensor):
+            return original(instance, *args, **kwargs)
+        to = instance.dtype
+        if policy == "float" and to in LOW:
+            raise CastError(
+                f"{qualname} runs in float32 under amp_patch, but it is in-place on a "
+                f"{to} tensor, whose dtype it cannot change. Call it on a float32 tensor "
+                f"(x = x.float()), use the out-of-place form, or wrap the call in "
+                f"amp_patch.disable_casts()."
+            )
+        if to in CASTABLE and (needs_cast(args, to) or (kwargs and needs_cast(kwargs, to))):
+            return original(instance, *cast(args, to, None), **cast(kwargs, to, None))
+        return original(instance, *args, **kwargs)
+
+    return wrapper
+
+
+def _banned(qualname, half, fix):
+    sw = switch
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if sw.off:
+            return wrapped(*args, **kwargs)
+        raise BannedOpError(
+            f"{qualname} is unsafe in {half} and amp_patch refuses to run it while casting is on. "
+            f"{fix} To call it anyway, run it in FP32 inside `with amp_patch.disable_casts():` "
+            f"on float32 inputs, or move it to the float list of a YAML override."
+        )
+
+    return wrapper
+
+
+def _instrumented(qualname, policy, original, method, plan, cache, ledger):
+    """The same call path with the op ledger recording it (``collect_stats``)."""
+    sw = switch
+    record = ledger.record
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if sw.off:
+            return original(instance, *args, **kwargs) if method else wrapped(*args, **kwargs)
+        to = plan(instance if method else None, args, kwargs)
+        if to is None:
+            out = original(instance, *args, **kwargs) if method else wrapped(*args, **kwargs)
+            record(qualname, policy, out, 0, 0)
+            return out
+        counter = [0, 0]
+
+        def count(nbytes):
+            counter[0] += 1
+            counter[1] += nbytes
+
+        args = cast(args, to, cache, count)
+        kwargs = cast(kwargs, to, cache, count)
+        if method:
+            out = original(cast(instance, to, cache, count), *args, **kwargs)
+        else:
+            out = original(*args, **kwargs)
+        record(qualname, policy, out, counter[0], counter[1])
+        return out
+
+    return wrapper
+
+
+class _DecoratorPolicy:
+    """Backs ``half_function`` / ``float_function`` / ``promote_function``.
+
+    A user's own function is wrapped once at decoration time and consults the
+    running AMP state on every call: outside ``initialize`` it calls straight
+    through, so decorating at import time is safe.
+    """
+
+    def __init__(self, policy: str):
+        self.policy = policy
+
+    def __call__(self, fn: Callable) -> Callable:
+        policy = self.policy
+
+        @wrapt.decorator
+        def wrapper(wrapped, instance, args, kwargs):
+            from . import _state
+
+            amp = _state.current()
+            if amp is None or not amp.props.patch_torch_functions or switch.off:
+                return wrapped(*args, **kwargs)
+            to = make_planner(policy, amp.props.half_dtype)(None, args, kwargs)
+            if to is None:
+                return wrapped(*args, **kwargs)
+            return wrapped(*cast(args, to, amp.cache), **cast(kwargs, to, amp.cache))
+
+        return wrapper(fn)

@@ -1,0 +1,4 @@
+"""Thin shim: all metadata lives in setup.cfg."""
+from setuptools import setup
+
+setup()

@@ -1,0 +1,50 @@
+"""Shared fixtures. The autouse fixture proves every test leaves torch unpatched."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amp_patch
+from amp_patch.oplists import NAMESPACES
+
+SNAPSHOT = {name: obj for name, obj in NAMESPACES.items()}
+
+
+def _vars(obj):
+    return dict(vars(obj))
+
+
+@pytest.fixture(autouse=True)
+def torch_left_unpatched():
+    """Fail any test that leaves an attribute of torch changed, naming it."""
+    before = {name: _vars(obj) for name, obj in SNAPSHOT.items()}
+    yield
+    leaked_state = amp_patch.is_initialized()
+    if leaked_state:
+        amp_patch.deinitialize()
+    problems = []
+    for name, obj in SNAPSHOT.items():
+        after = _vars(obj)
+        old = before[name]
+        for key in sorted(set(old) | set(after)):
+            if old.get(key, _MISSING) is not after.get(key, _MISSING):
+                problems.append(f"{name}.{key}")
+    assert not leaked_state, "test left amp_patch initialized (call amp_patch.deinitialize())"
+    assert not problems, f"torch left patched: {', '.join(problems[:20])}"
+
+
+_MISSING = object()
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is present on this machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
