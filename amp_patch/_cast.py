@@ -26,20 +26,25 @@ CASTABLE = frozenset((f16, bf16, f32))
 
 
 class CastCache:
-    """Half copies of FP32 parameters, one entry per (tensor, dtype, grad mode)."""
+    """Half copies of FP32 parameters, one entry per tensor and grad mode.
+
+    A copy made under ``no_grad`` has no autograd history, so it must never
+    serve a forward pass that needs gradients: the two modes have separate maps.
+    """
 
     def __init__(self) -> None:
-        self._entries: Dict[tuple, tuple] = {}
+        self._maps = ({}, {})  # indexed by torch.is_grad_enabled()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._maps[0]) + len(self._maps[1])
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            self._maps[0].clear()
+            self._maps[1].clear()
 
     def cast(self, t: Tensor, to: torch.dtype) -> Tensor:
         # Only leaves that require grad are cached, as autocast does: their
@@ -47,18 +52,17 @@ class CastCache:
         # activations that change every call.
         if not (t.is_leaf and t.requires_grad):
             return t.to(to)
-        grad = torch.is_grad_enabled()
-        key = (id(t), to, grad)
-        entry = self._entries.get(key)
-        if entry is not None:
-            src, version, ptr, out = entry
-            if src is t and version == t._version and ptr == t.data_ptr():
-                self.hits += 1
-                return out
+        entries = self._maps[torch.is_grad_enabled()]
+        entry = entries.get(id(t))
+        # The version counter catches in-place edits (optimizer steps,
+        # load_state_dict); the data pointer catches `param.data = ...`.
+        if entry is not None and entry[0] is t and entry[1] is to and entry[2] == t._version and entry[3] == t.data_ptr():
+            self.hits += 1
+            return entry[4]
         out = t.to(to)
         self.misses += 1
         with self._lock:
-            self._entries[key] = (t, t._version, t.data_ptr(), out)
+            entries[id(t)] = (t, to, t._version, t.data_ptr(), out)
         return out
 
 

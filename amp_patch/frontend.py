@@ -21,7 +21,7 @@ from ._state import AmpState
 from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
 from .properties import Properties, resolve
-from .wrappers import _DecoratorPolicy, make_wrapper, switch
+from .wrappers import _DecoratorPolicy, make_wrapper, pop_disabled, push_disabled
 
 log = logging.getLogger("amp_patch")
 _lock = threading.RLock()
@@ -158,6 +158,14 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
 
     model_list, models_were_list = _as_list(models, torch.nn.Module, "models")
     opt_list, opts_were_list = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    # What the launcher (or amp_patch.auto) started is provisional: a script's
+    # own initialize replaces it, keeping the launcher's half dtype and op
+    # lists unless this call names its own, so nothing is patched twice.
+    prov = _state.current()
+    if prov is not None and getattr(prov, "provisional", None) is not None:
+        half_dtype = prov.provisional.get("half_dtype") if half_dtype is None else half_dtype
+        lists = prov.provisional.get("lists") if lists is None else lists
+        _teardown(prov)
     options = {k: overrides.pop(k) for k in list(overrides) if k in EXTRA_OPTIONS}
     options["verbosity"] = verbosity
     device_type = _device_type(model_list)
@@ -285,11 +293,11 @@ def disable_casts() -> Iterator[None]:
             p = torch.sigmoid(logits.float())
             loss = F.binary_cross_entropy(p, target)   # banned op, run in FP32
     """
-    switch.off += 1
+    push_disabled()
     try:
         yield
     finally:
-        switch.off -= 1
+        pop_disabled()
 
 
 def _register(owner: Any, name: str, policy: str) -> None:

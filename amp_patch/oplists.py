@@ -145,7 +145,7 @@ class _Reader:
                 continue
             seen_ns.add(ns)
             if ns not in NAMESPACES:
-                self.problem(nline, str(ns), f"is not a known namespace{_nearest(ns, NAMESPACES)} (known: {', '.join(NAMESPACES)})")
+                self.problem(nline, "", f"{ns!r} is not a known namespace{_nearest(ns, NAMESPACES)} (known: {', '.join(NAMESPACES)})")
                 continue
             pitems = _items(body)
             if pitems is None:

@@ -20,7 +20,7 @@ Policies:
 """
 from __future__ import annotations
 
-import threading
+from threading import get_ident
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,13 +45,36 @@ def is_inplace(name: str) -> bool:
     return name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
 
 
-class _Switch(threading.local):
-    """Per-thread casting switch; ``off`` > 0 inside ``disable_casts()``."""
+# Threads inside disable_casts(): {thread ident: depth}. A plain dict, empty in
+# the common case, so the hot path pays one truthiness test (a threading.local
+# attribute read costs several times more).
+disabled: dict = {}
 
-    off = 0
+
+class _Switch:
+    """Read-only view of this thread's ``disable_casts()`` depth (``switch.off``)."""
+
+    @property
+    def off(self) -> int:
+        return disabled.get(get_ident(), 0)
 
 
 switch = _Switch()
+
+
+def push_disabled() -> None:
+    ident = get_ident()
+    disabled[ident] = disabled.get(ident, 0) + 1
+
+
+def pop_disabled() -> None:
+    ident = get_ident()
+    depth = disabled.get(ident, 0) - 1
+    if depth > 0:
+        disabled[ident] = depth
+    else:
+        disabled.pop(ident, None)
+
 
 _MIXED = object()
 
@@ -84,12 +107,19 @@ def _scan(obj: Any, seen: Any) -> Any:
 
 
 def _fixed_planner(to: torch.dtype) -> Callable:
+    castable = CASTABLE - {to}
+
     def plan(instance, args, kwargs):
-        if (
-            (instance is not None and needs_cast(instance, to))
-            or needs_cast(args, to)
-            or (kwargs and needs_cast(kwargs, to))
-        ):
+        # Flat arguments are scanned inline: this runs on every call.
+        if instance is not None and instance.dtype in castable:
+            return to
+        for a in args:
+            if isinstance(a, Tensor):
+                if a.dtype in castable:
+                    return to
+            elif isinstance(a, (list, tuple, dict)) and needs_cast(a, to):
+                return to
+        if kwargs and needs_cast(kwargs, to):
             return to
         return None
 
@@ -158,10 +188,8 @@ def make_wrapper(
 
 
 def _function(original, plan, cache):
-    sw = switch
-
     def wrapper(wrapped, instance, args, kwargs):
-        if sw.off:
+        if disabled and get_ident() in disabled:
             return wrapped(*args, **kwargs)
         to = plan(None, args, kwargs)
         if to is None:
@@ -172,10 +200,8 @@ def _function(original, plan, cache):
 
 
 def _method(original, plan, cache):
-    sw = switch
-
     def wrapper(wrapped, instance, args, kwargs):
-        if sw.off:
+        if disabled and get_ident() in disabled:
             return original(instance, *args, **kwargs)
         to = plan(instance, args, kwargs)
         if to is None:
@@ -187,10 +213,8 @@ def _method(original, plan, cache):
 
 def _inplace(policy, qualname, original, plan, half):
     """In-place Tensor ops: the receiver keeps its dtype, the others follow it."""
-    sw = switch
-
     def wrapper(wrapped, instance, args, kwargs):
-        if sw.off or not isinstance(instance, Tensor):
+        if (disabled and get_ident() in disabled) or not isinstance(instance, Tensor):
             return original(instance, *args, **kwargs)
         to = instance.dtype
         if policy == "float" and to in LOW:
@@ -208,10 +232,8 @@ def _inplace(policy, qualname, original, plan, half):
 
 
 def _banned(qualname, half, fix):
-    sw = switch
-
     def wrapper(wrapped, instance, args, kwargs):
-        if sw.off:
+        if disabled and get_ident() in disabled:
             return wrapped(*args, **kwargs)
         raise BannedOpError(
             f"{qualname} is unsafe in {half} and amp_patch refuses to run it while casting is on. "
@@ -224,11 +246,10 @@ def _banned(qualname, half, fix):
 
 def _instrumented(qualname, policy, original, method, plan, cache, ledger):
     """The same call path with the op ledger recording it (``collect_stats``)."""
-    sw = switch
     record = ledger.record
 
     def wrapper(wrapped, instance, args, kwargs):
-        if sw.off:
+        if disabled and get_ident() in disabled:
             return original(instance, *args, **kwargs) if method else wrapped(*args, **kwargs)
         to = plan(instance if method else None, args, kwargs)
         if to is None:

@@ -1,0 +1,237 @@
+"""apex.amp's API, served by amp_patch: ``from amp_patch import amp``.
+
+Every name and signature here is Apex's, so code written for ``apex.amp``
+runs after changing one import (or none, with the launcher or
+``amp_patch.install_apex_alias()``)::
+
+    from amp_patch import amp
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+
+The functions forward to amp_patch's own; this module only translates
+Apex's conventions: ``enabled=False`` makes everything a pass-through, and
+``state_dict`` speaks Apex's checkpoint format (``loss_scaler0``, ...).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+
+from . import _state
+from . import frontend as _frontend
+from .errors import ConfigError
+from .frontend import (
+    disable_casts,
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
+
+log = logging.getLogger("amp_patch")
+
+__all__ = [
+    "initialize",
+    "scale_loss",
+    "master_params",
+    "state_dict",
+    "load_state_dict",
+    "disable_casts",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
+    "half_function",
+    "float_function",
+    "promote_function",
+]
+
+# None until initialize is called; False after initialize(enabled=False),
+# which turns scale_loss, state_dict and load_state_dict into pass-throughs.
+_enabled: Optional[bool] = None
+
+
+def _passthrough() -> bool:
+    return _enabled is False and _state.current() is None
+
+
+def _top():
+    # The loss-scaling functions live on the package; looked up at call time
+    # so this module imports while the package is still importing.
+    import amp_patch
+
+    return amp_patch
+
+
+def initialize(
+    models: Any,
+    optimizers: Any = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: Any = None,
+    patch_torch_functions: Any = None,
+    keep_batchnorm_fp32: Any = None,
+    master_weights: Any = None,
+    loss_scale: Any = None,
+    cast_model_outputs: Any = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: Optional[float] = None,
+    max_loss_scale: float = 2.0**24,
+) -> Any:
+    """apex.amp.initialize: the same arguments, the same return value.
+
+    Args:
+        models: an ``nn.Module`` or a list of them.
+        optimizers: an optimizer, a list of them, or None.
+        enabled: False returns ``models`` (and ``optimizers``) untouched and
+            makes ``scale_loss`` yield the loss unchanged, as in Apex.
+        opt_level: ``"O0"`` ... ``"O3"`` as in Apex, plus ``"O4"``/``"O5"``
+            (the BF16 forms of O1/O2).
+        cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
+        master_weights, loss_scale, cast_model_outputs: Apex's property
+            overrides; None keeps the opt level's value. Strings such as
+            ``"True"`` and ``"dynamic"`` are accepted as in Apex.
+        num_losses: how many losses get their own loss scaler (``loss_id``).
+        verbosity: 0 silences the informational messages.
+        min_loss_scale: floor of the dynamic loss scale (None: amp_patch's
+            default, 1.0).
+        max_loss_scale: ceiling of the dynamic loss scale.
+
+    Returns:
+        ``models`` or ``(models, optimizers)``, in the structure given.
+
+    Example::
+
+        from amp_patch import amp
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+    """
+    global _enabled
+    if not enabled:
+        _enabled = False
+        cur = _state.current()
+        if cur is not None and getattr(cur, "provisional", None) is not None:
+            # The script turned AMP off itself; its word beats the launcher's.
+            log.info("amp_patch: the script called amp.initialize(enabled=False); mixed precision is off")
+            _frontend.deinitialize()
+        return models if optimizers is None else (models, optimizers)
+    overrides: Dict[str, Any] = dict(
+        cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights,
+        loss_scale=loss_scale,
+        cast_model_outputs=cast_model_outputs,
+        min_loss_scale=min_loss_scale,
+    )
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    out = _frontend.initialize(
+        models, optimizers, opt_level, verbosity=verbosity,
+        num_losses=num_losses, max_loss_scale=max_loss_scale, **overrides,
+    )
+    _enabled = True
+    return out
+
+
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers: Any,
+    loss_id: int = 0,
+    model: Any = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+):
+    """apex.amp.scale_loss: a context manager yielding the scaled loss.
+
+    On leaving the block the gradients are unscaled and checked, and the next
+    ``optimizer.step()`` is armed to run or to be skipped. ``model`` and
+    ``delay_overflow_check`` are accepted and unused, as in Apex.
+
+    Args:
+        loss: the loss tensor.
+        optimizers: the optimizer (or list) the loss's gradients feed.
+        loss_id: which loss scaler (0 .. ``num_losses - 1``).
+        model: unused.
+        delay_unscale: leave the gradients scaled (gradient accumulation).
+        delay_overflow_check: unused.
+
+    Example::
+
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+    """
+    if _passthrough():
+        return contextlib.nullcontext(loss)
+    return _top().scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """apex.amp.master_params: the parameters ``optimizer`` steps (FP32 masters under O2).
+
+    Clip these, after ``scale_loss``'s block, to clip the true gradients.
+
+    Example::
+
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
+    """
+    if _state.current() is None:
+        # Before initialize, or with enabled=False: Apex yields the
+        # optimizer's own parameters.
+        return (p for group in optimizer.param_groups for p in group["params"])
+    return _top().master_params(optimizer)
+
+
+def state_dict(destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """apex.amp.state_dict: ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}``.
+
+    Each entry also carries the rest of the scaler's state, and the dict may
+    hold amp_patch's own keys; Apex-era code that reads or edits
+    ``["loss_scaler0"]["loss_scale"]`` keeps working.
+
+    Example::
+
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "amp": amp.state_dict()}, "checkpoint.pt")
+    """
+    if destination is None:
+        destination = collections.OrderedDict()
+    if _passthrough():
+        return destination
+    destination.update(_top().state_dict())
+    return destination
+
+
+def load_state_dict(state_dict: Dict[str, Any]) -> None:
+    """apex.amp.load_state_dict: restore the loss scalers from ``amp.state_dict()``.
+
+    Accepts checkpoints written by Apex and by amp_patch. Call it after
+    ``initialize``.
+
+    Example::
+
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+        amp.load_state_dict(torch.load("checkpoint.pt")["amp"])
+    """
+    if _passthrough():
+        return
+    _top().load_state_dict(state_dict)
+
+
+def init(*args: Any, **kwargs: Any) -> Any:
+    """apex.amp.init, the handle API that Apex deprecated in 2019: not provided.
+
+    Raises:
+        ConfigError: always, saying what to call instead.
+    """
+    raise ConfigError(
+        "amp.init() (Apex's old handle API) is not supported; replace `handle = amp.init()` and "
+        "`handle.scale_loss(...)` with `model, optimizer = amp.initialize(model, optimizer, "
+        "opt_level='O1')` and `with amp.scale_loss(loss, optimizer) as scaled_loss:`"
+    )

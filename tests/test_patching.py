@@ -1,0 +1,405 @@
+"""The patching engine: initialize/deinitialize, wrappers, cache, switches."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import wrapt
+
+import amp_patch
+from amp_patch import ConfigError, StateError
+from amp_patch.oplists import NAMESPACES
+
+HALVES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def o1():
+    """Start O1 with the given half dtype; always deinitialize."""
+    started = []
+
+    def start(half=torch.bfloat16, **kw):
+        out = amp_patch.initialize(None, None, "O1", half_dtype=half, **kw)
+        started.append(True)
+        return out
+
+    yield start
+    amp_patch.deinitialize()
+
+
+def _snapshot():
+    return {name: dict(vars(obj)) for name, obj in NAMESPACES.items()}
+
+
+def test_wrapt_c_extension_is_in_use():
+    # Without it a Tensor-method wrapper costs microseconds more per call.
+    assert wrapt.FunctionWrapper.__module__ in ("wrapt._wrappers", "builtins") or "_wrappers" in repr(
+        wrapt.FunctionWrapper.__init__
+    )
+    import wrapt.wrappers as pure
+
+    assert wrapt.FunctionWrapper is not getattr(pure, "FunctionWrapper", None)
+
+
+@pytest.mark.parametrize("half", HALVES, ids=["fp16", "bf16"])
+def test_roundtrip_restores_every_namespace_exactly(half):
+    before = _snapshot()
+    amp_patch.initialize(None, None, "O1", half_dtype=half)
+    during = _snapshot()
+    assert during["torch.nn.functional"]["linear"] is not before["torch.nn.functional"]["linear"]
+    assert "mm" in during["torch.Tensor"] and "mm" not in before["torch.Tensor"]
+    amp_patch.deinitialize()
+    after = _snapshot()
+    for name in before:
+        assert before[name].keys() == after[name].keys(), name
+        changed = [k for k in before[name] if before[name][k] is not after[name][k]]
+        assert not changed, (name, changed)
+
+
+def test_deinitialize_when_nothing_patched_is_a_noop():
+    before = _snapshot()
+    amp_patch.deinitialize()
+    amp_patch.deinitialize()
+    assert _snapshot() == before
+
+
+def test_o0_patches_nothing():
+    before = _snapshot()
+    m = nn.Linear(4, 4)
+    amp_patch.initialize(m, opt_level="O0")
+    try:
+        assert _snapshot()["torch.nn.functional"] == before["torch.nn.functional"]
+        assert m(torch.randn(2, 4)).dtype == torch.float32
+    finally:
+        amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("half", HALVES, ids=["fp16", "bf16"])
+def test_o1_linear_runs_in_half_and_matches_hand_cast(o1, half):
+    lin = nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    expected = F.linear(x.to(half), lin.weight.to(half), lin.bias.to(half))
+    o1(half)
+    out = lin(x)
+    assert out.dtype == half
+    assert torch.equal(out, expected)
+
+
+def test_o4_is_bf16_and_default_on_cpu_is_bf16():
+    amp_patch.initialize(None, None, "O4")
+    try:
+        assert F.linear(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16
+    finally:
+        amp_patch.deinitialize()
+    amp_patch.initialize(nn.Linear(2, 2), None, "O1")
+    try:
+        assert F.linear(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_tensor_methods_cast_their_receiver(o1):
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    o1(torch.float16)
+    for out in (a.mm(b), torch.Tensor.mm(a, b), a @ b, a.matmul(b)):
+        assert out.dtype == torch.float16
+    with amp_patch.disable_casts():
+        expected = a.half().mm(b.half())
+    assert torch.equal(a.mm(b), expected)
+
+
+def test_float_policy_and_promote(o1):
+    o1(torch.float16)
+    h = torch.randn(4, dtype=torch.float16)
+    f = torch.randn(4)
+    assert F.softmax(h, -1).dtype == torch.float32
+    assert (h + f).dtype == torch.float32
+    assert torch.cat([h, f]).dtype == torch.float32
+    assert torch.cat([h, h]).dtype == torch.float16
+    # a 0-dim FP32 tensor does not lose to FP16 under promote (it would natively)
+    assert (h * torch.tensor(2.0)).dtype == torch.float32
+    d = torch.randn(4, dtype=torch.float64)
+    assert F.softmax(d, -1).dtype == torch.float64  # float64 is never touched
+    i = torch.arange(4)
+    assert (i + i).dtype == torch.int64
+
+
+def test_casting_recurses_into_containers_only_floating(o1):
+    o1(torch.bfloat16)
+    seqs = [torch.randn(2, 3), torch.randn(2, 3, dtype=torch.bfloat16)]
+    assert torch.stack(seqs).dtype == torch.float32
+    idx = torch.tensor([0, 1])
+    t = torch.zeros(3)
+    out = torch.index_put(t, (idx,), torch.ones(2, dtype=torch.bfloat16))
+    assert out.dtype == torch.float32
+
+
+def test_inplace_promote_keeps_receiver_dtype(o1):
+    o1(torch.float16)
+    f = torch.zeros(3)
+    h = torch.ones(3, dtype=torch.float16)
+    f += h
+    assert f.dtype == torch.float32 and torch.equal(f, torch.ones(3))
+    h2 = torch.ones(3, dtype=torch.float16)
+    h2.addcmul_(torch.ones(3), torch.full((3,), 2.0))
+    assert h2.dtype == torch.float16 and torch.equal(h2, torch.full((3,), 3.0, dtype=torch.float16))
+
+
+def test_inplace_float_op_on_half_tensor_raises(o1):
+    o1(torch.float16, lists={"torch.Tensor": {"float": ["exp_"]}})
+    with pytest.raises(amp_patch.CastError, match=r"torch.Tensor.exp_ runs in float32 .* torch.float16 tensor"):
+        torch.ones(2, dtype=torch.float16).exp_()
+    f = torch.zeros(2)
+    f.exp_()
+    assert torch.equal(f, torch.ones(2))
+
+
+def test_banned_op_raises_not_implemented_under_fp16_and_runs_fp32_under_bf16():
+    p, t = torch.rand(4), torch.rand(4)
+    amp_patch.initialize(None, None, "O1", half_dtype="float16")
+    try:
+        with pytest.raises(NotImplementedError, match="binary_cross_entropy_with_logits"):
+            F.binary_cross_entropy(p, t)
+        with amp_patch.disable_casts():
+            F.binary_cross_entropy(p, t)
+    finally:
+        amp_patch.deinitialize()
+    expected = F.binary_cross_entropy(p, t)
+    amp_patch.initialize(None, None, "O4")
+    try:
+        out = F.binary_cross_entropy(p.bfloat16(), t.bfloat16())
+        assert out.dtype == torch.float32
+        assert torch.equal(out, F.binary_cross_entropy(p.bfloat16().float(), t.bfloat16().float()))
+    finally:
+        amp_patch.deinitialize()
+    assert expected.dtype == torch.float32
+
+
+def test_disable_casts_nests_and_is_exception_safe(o1):
+    o1(torch.float16)
+    x = torch.randn(2, 2)
+    with amp_patch.disable_casts():
+        with amp_patch.disable_casts():
+            assert (x @ x).dtype == torch.float32
+        assert (x @ x).dtype == torch.float32
+        with pytest.raises(ZeroDivisionError):
+            with amp_patch.disable_casts():
+                1 / 0
+        assert (x @ x).dtype == torch.float32
+    assert (x @ x).dtype == torch.float16
+
+
+def test_disable_casts_is_per_thread(o1):
+    o1(torch.float16)
+    x = torch.randn(2, 2)
+    inside, other = threading.Event(), []
+
+    def worker():
+        inside.wait(5)
+        other.append((x @ x).dtype)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    with amp_patch.disable_casts():
+        inside.set()
+        t.join(5)
+        assert (x @ x).dtype == torch.float32
+    assert other == [torch.float16]
+
+
+def test_weight_cast_cache_hits_and_invalidates_on_inplace_edit():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    amp_patch.initialize(lin, None, "O1", half_dtype="bfloat16")
+    try:
+        from amp_patch import _state
+
+        cache = _state.current().cache
+        lin(x)
+        lin(x)
+        assert cache.hits >= 2 and len(cache) == 2  # weight and bias cast once
+        with torch.no_grad():
+            lin.weight.mul_(2)  # in-place edit between two forwards
+        out = lin(x)
+        expected = F.linear(x.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16())
+        with amp_patch.disable_casts():
+            assert torch.equal(out, expected)
+        lin.load_state_dict({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)})
+        assert torch.equal(lin(x), torch.zeros(2, 4, dtype=torch.bfloat16))
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_cache_is_emptied_after_backward_and_does_not_grow():
+    lin = nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.01)
+    amp_patch.initialize(lin, opt, "O1", half_dtype="bfloat16")
+    try:
+        from amp_patch import _state
+
+        cache = _state.current().cache
+        for _ in range(50):
+            opt.zero_grad()
+            lin(torch.randn(2, 4)).float().sum().backward()
+            assert len(cache) == 0
+            opt.step()
+        assert lin.weight.grad.dtype == torch.float32
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_cached_cast_from_no_grad_is_not_reused_with_grad():
+    lin = nn.Linear(4, 4)
+    amp_patch.initialize(lin, None, "O1", half_dtype="bfloat16")
+    try:
+        with torch.no_grad():
+            lin(torch.randn(2, 4))
+        out = lin(torch.randn(2, 4))
+        out.float().sum().backward()
+        assert lin.weight.grad is not None
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_second_initialize_adds_models_without_stacking_wrappers():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    amp_patch.initialize(a, None, "O1", half_dtype="float16")
+    try:
+        linear_once = F.linear
+        amp_patch.initialize(b, None, "O1", half_dtype="float16")
+        assert F.linear is linear_once
+        from amp_patch import _state
+
+        assert _state.current().models == [a, b]
+        with pytest.raises(ConfigError, match="already initialized with opt_level='O1'.*deinitialize"):
+            amp_patch.initialize(nn.Linear(2, 2), None, "O4")
+        with pytest.raises(ConfigError, match="already initialized"):
+            amp_patch.initialize(a, None, "O1", half_dtype="float16")
+    finally:
+        amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, fragment",
+    [
+        (dict(opt_level="O6"), ConfigError, "opt_level='O6' is not an opt level; use one of O0, O1, O2, O3, O4, O5"),
+        (dict(opt_level="01"), ConfigError, "the letter O, not zero"),
+        (dict(opt_level="O1", keep_batchnorm=True), ConfigError, "did you mean 'keep_batchnorm_fp32'"),
+        (dict(opt_level="O1", half_dtype=torch.float64), ConfigError, "half_dtype=torch.float64 is not supported"),
+        (dict(opt_level="O1", loss_scale=-1), ConfigError, "loss_scale=-1 must be 'dynamic' or a positive"),
+        (dict(opt_level="O1", loss_scale="big"), ConfigError, "loss_scale='big'"),
+        (dict(opt_level="O1", master_weights=True), ConfigError, "master_weights=True with cast_model_type=None"),
+        (dict(opt_level="O1", keep_batchnorm_fp32="yes"), ConfigError, "keep_batchnorm_fp32='yes' must be True, False"),
+    ],
+)
+def test_bad_configuration_raises_and_patches_nothing(kwargs, error, fragment):
+    before = _snapshot()
+    with pytest.raises(error) as info:
+        amp_patch.initialize(nn.Linear(2, 2), None, **kwargs)
+    assert fragment in str(info.value)
+    assert _snapshot() == before and not amp_patch.is_initialized()
+
+
+def test_wrong_types_name_the_argument():
+    with pytest.raises(ConfigError, match="models is a builtins.str; initialize expects torch.nn.Module"):
+        amp_patch.initialize("model", None, "O1")
+    with pytest.raises(ConfigError, match=r"optimizers\[1\] is a builtins.int"):
+        amp_patch.initialize(nn.Linear(2, 2), [torch.optim.SGD(nn.Linear(2, 2).parameters(), 0.1), 3], "O1")
+
+
+def test_meta_model_is_refused():
+    with torch.device("meta"):
+        m = nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="meta device.*to_empty"):
+        amp_patch.initialize(m, None, "O1")
+
+
+def test_failure_half_way_through_patching_undoes_everything(monkeypatch):
+    from amp_patch import frontend
+
+    before = _snapshot()
+    real = frontend._patch_items
+
+    def items_then_boom(amp):
+        items = real(amp)
+
+        def boom(original):
+            raise RuntimeError("boom")
+
+        return items[:50] + [(torch, "relu", boom)] + items[50:]
+
+    monkeypatch.setattr(frontend, "_patch_items", items_then_boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        amp_patch.initialize(None, None, "O1")
+    monkeypatch.undo()
+    assert _snapshot() == before and not amp_patch.is_initialized()
+
+
+def test_register_functions_and_decorators():
+    import types
+
+    mod = types.SimpleNamespace()
+
+    def my_matmul(a, b):
+        return a @ b
+
+    mod.my_matmul = my_matmul
+    mod.my_float = lambda a: a * 1
+    amp_patch.register_half_function(mod, "my_matmul")
+    amp_patch.register_float_function(mod, "my_float")
+
+    @amp_patch.promote_function
+    def add(a, b):
+        return a + b
+
+    @amp_patch.float_function
+    def softish(x):
+        return x.exp()
+
+    from amp_patch import frontend
+
+    try:
+        a = torch.randn(2, 2)
+        assert mod.my_matmul(a, a).dtype == torch.float32  # inactive: straight through
+        amp_patch.initialize(None, None, "O1", half_dtype="float16")
+        try:
+            assert mod.my_matmul(a, a).dtype == torch.float16
+            assert mod.my_float(a.half()).dtype == torch.float32
+            assert add(a.half(), a).dtype == torch.float32
+            assert softish(a.half()).dtype == torch.float32
+        finally:
+            amp_patch.deinitialize()
+        assert mod.my_matmul is my_matmul
+        with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+            amp_patch.register_half_function(mod, "nope")
+    finally:
+        frontend._user_registrations.clear()
+
+
+def test_returns_structure_it_was_given():
+    m1, m2 = nn.Linear(2, 2), nn.Linear(2, 2)
+    o = torch.optim.SGD(m1.parameters(), 0.1)
+    try:
+        out = amp_patch.initialize([m1, m2], o, "O1")
+        assert isinstance(out, tuple) and out[0] == [m1, m2] and out[1] is o
+    finally:
+        amp_patch.deinitialize()
+    try:
+        assert amp_patch.initialize(m1, opt_level="O1") is m1
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_deinitialize_after_exception_in_training_step_restores_torch():
+    before = _snapshot()
+    m = nn.Linear(2, 2)
+    amp_patch.initialize(m, None, "O1")
+    try:
+        with pytest.raises(RuntimeError):
+            m(torch.randn(3, 5))  # wrong shape inside a patched op
+    finally:
+        amp_patch.deinitialize()
+    assert _snapshot() == before
