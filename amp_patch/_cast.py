@@ -13,7 +13,6 @@ the version and the next use casts again.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Dict
 
 import torch
@@ -33,8 +32,9 @@ class CastCache:
     """
 
     def __init__(self) -> None:
-        self._maps = ({}, {})  # indexed by torch.is_grad_enabled()
-        self._lock = threading.Lock()
+        # Indexed by torch.is_grad_enabled(). Plain dict operations are atomic
+        # under the GIL; two threads racing on one entry both store a valid copy.
+        self._maps = ({}, {})
         self.hits = 0
         self.misses = 0
 
@@ -42,9 +42,8 @@ class CastCache:
         return len(self._maps[0]) + len(self._maps[1])
 
     def clear(self) -> None:
-        with self._lock:
-            self._maps[0].clear()
-            self._maps[1].clear()
+        self._maps[0].clear()
+        self._maps[1].clear()
 
     def cast(self, t: Tensor, to: torch.dtype) -> Tensor:
         # Only leaves that require grad are cached, as autocast does: their
@@ -61,8 +60,7 @@ class CastCache:
             return entry[4]
         out = t.to(to)
         self.misses += 1
-        with self._lock:
-            entries[id(t)] = (t, to, t._version, t.data_ptr(), out)
+        entries[id(t)] = (t, to, t._version, t.data_ptr(), out)
         return out
 
 
@@ -129,3 +127,19 @@ def cast(obj: Any, to: torch.dtype, cache: CastCache | None, stats=None) -> Any:
             out[k] = nv
         return out if changed else obj
     return obj
+
+
+def cast_args(args: Any, to: torch.dtype, cache: CastCache | None) -> list:
+    """``cast`` for a flat argument tuple, with tensors handled inline (the
+    casting call path runs this on every call that casts)."""
+    use_cache = cache is not None and to is not f32
+    out = []
+    for a in args:
+        if isinstance(a, Tensor):
+            dt = a.dtype
+            if dt is not to and dt in CASTABLE:
+                a = cache.cast(a, to) if use_cache else a.to(to)
+        elif isinstance(a, (list, tuple, dict)):
+            a = cast(a, to, cache)
+        out.append(a)
+    return out

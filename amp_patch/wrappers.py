@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import wrapt
 
-from ._cast import CASTABLE, LOW, CastCache, cast, needs_cast
+from ._cast import CASTABLE, LOW, CastCache, cast, cast_args, needs_cast
 from .errors import BannedOpError, CastError
 
 f32 = torch.float32
@@ -194,7 +194,9 @@ def _function(original, plan, cache):
         to = plan(None, args, kwargs)
         if to is None:
             return wrapped(*args, **kwargs)
-        return original(*cast(args, to, cache), **cast(kwargs, to, cache))
+        if kwargs:
+            kwargs = cast(kwargs, to, cache)
+        return original(*cast_args(args, to, cache), **kwargs)
 
     return wrapper
 
@@ -206,7 +208,9 @@ def _method(original, plan, cache):
         to = plan(instance, args, kwargs)
         if to is None:
             return original(instance, *args, **kwargs)
-        return original(cast(instance, to, cache), *cast(args, to, cache), **cast(kwargs, to, cache))
+        if kwargs:
+            kwargs = cast(kwargs, to, cache)
+        return original(cast(instance, to, cache), *cast_args(args, to, cache), **kwargs)
 
     return wrapper
 

@@ -1,0 +1,67 @@
+"""CUDA checks. Marked `cuda`: skipped with a reason on machines without a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_patch
+
+pytestmark = pytest.mark.cuda
+
+
+def test_default_half_dtype_on_cuda_is_fp16():
+    m = nn.Linear(16, 16).cuda()
+    amp_patch.initialize(m, None, "O1")
+    try:
+        assert m(torch.randn(4, 16, device="cuda")).dtype == torch.float16
+    finally:
+        amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: F.linear(x, x),
+        lambda x: torch.mm(x, x),
+        lambda x: F.softmax(x, -1),
+        lambda x: F.layer_norm(x, x.shape[-1:]),
+        lambda x: torch.exp(x),
+        lambda x: torch.sum(x),
+        lambda x: torch.cumsum(x, 0),
+        lambda x: torch.addcmul(x, x.half(), x),
+        lambda x: torch.cdist(x, x),
+        lambda x: F.mse_loss(x, x),
+    ],
+    ids=["linear", "mm", "softmax", "layer_norm", "exp", "sum", "cumsum", "addcmul", "cdist", "mse_loss"],
+)
+def test_fp16_policy_matches_cuda_autocast(call):
+    x = torch.randn(8, 8, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        expected = call(x).dtype
+    amp_patch.initialize(None, None, "O1", half_dtype="float16")
+    try:
+        assert call(x).dtype == expected
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_o2_trains_on_cuda_with_dynamic_scaling():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = amp_patch.initialize(model, opt, "O2")
+    try:
+        x, y = torch.randn(256, 64, device="cuda"), torch.randn(256, 1, device="cuda")
+        losses = []
+        for _ in range(30):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert model[0].weight.dtype == torch.float16
+        assert losses[-1] < losses[0]
+    finally:
+        amp_patch.deinitialize()

@@ -1,0 +1,79 @@
+"""The op lists ship inside the package: found after `pip install .`, after
+`pip install -e .` (this test environment) and from a built wheel."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = (
+    "import amp_patch, amp_patch.oplists as L, sys; "
+    "names = [n for n, _ in L.default_files()]; "
+    "print(amp_patch.__file__); print(len(L.load().entries), sorted(names))"
+)
+
+
+def _source_copy(tmp_path: Path) -> Path:
+    # Build from a copy so no build/ or egg-info lands in the checkout.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.cfg", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "amp_patch", src / "amp_patch", ignore=ignore)
+    shutil.copytree(ROOT / "lists", src / "lists", ignore=ignore)
+    return src
+
+
+def _pip(*args: str, cwd: Path) -> None:
+    cmd = [sys.executable, "-m", "pip", "-q", *args]
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _probe(site: Path, tmp_path: Path) -> str:
+    env = dict(os.environ, PYTHONPATH=str(site))
+    # Run from an empty folder so the checkout's amp_patch/ cannot shadow the install.
+    res = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_wheel_contains_lists_and_loads_them(tmp_path):
+    src = _source_copy(tmp_path)
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), ".", cwd=src)
+    wheel = next((tmp_path / "dist").glob("amp_patch-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for f in ("torch.yaml", "torch.nn.functional.yaml", "torch.Tensor.yaml", "torch.linalg.yaml"):
+        assert f"amp_patch/lists/{f}" in names
+    site = tmp_path / "site"
+    _pip("install", "--no-deps", "--target", str(site), str(wheel), cwd=tmp_path)
+    out = _probe(site, tmp_path)
+    assert str(site) in out and "torch.nn.functional.yaml" in out
+
+
+@pytest.mark.slow
+def test_plain_pip_install_finds_lists(tmp_path):
+    src = _source_copy(tmp_path)
+    site = tmp_path / "site"
+    _pip("install", "--no-deps", "--no-build-isolation", "--target", str(site), ".", cwd=src)
+    out = _probe(site, tmp_path)
+    assert str(site) in out and "torch.Tensor.yaml" in out
+
+
+def test_editable_install_finds_lists_in_the_checkout():
+    # The test environment is the editable install (`pip install -e .`).
+    from importlib import resources
+
+    import amp_patch.oplists as L
+
+    root = resources.files("amp_patch.lists")
+    assert Path(str(root)).resolve() == (ROOT / "lists").resolve()
+    assert len(L.load().entries) > 200
