@@ -19,6 +19,7 @@ from .errors import (
     OverflowLoopError,
     StateError,
 )
+from .alias import install_apex_alias
 from .frontend import (
     deinitialize,
     disable_casts,
@@ -31,25 +32,49 @@ from .frontend import (
     register_half_function,
     register_promote_function,
 )
+from .diagnostics import AmpWarning, find_overflow
+from .scaling import (
+    adopt_optimizer,
+    counters,
+    load_state_dict,
+    master_params,
+    scale_loss,
+    state_dict,
+    unscale_,
+)
+from .report import plot, report, reset_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AmpError",
+    "AmpWarning",
     "BannedOpError",
     "CastError",
     "ConfigError",
     "ListError",
     "OverflowLoopError",
     "StateError",
+    "adopt_optimizer",
+    "counters",
     "deinitialize",
     "disable_casts",
+    "find_overflow",
     "float_function",
     "half_function",
     "initialize",
+    "install_apex_alias",
     "is_initialized",
+    "load_state_dict",
+    "master_params",
+    "plot",
     "promote_function",
     "register_float_function",
     "register_half_function",
     "register_promote_function",
+    "report",
+    "reset_stats",
+    "scale_loss",
+    "state_dict",
+    "unscale_",
 ]

@@ -22,6 +22,8 @@ f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 LOW = (f16, bf16)
 #: dtypes a policy may cast from or to; float64 is deliberately absent.
 CASTABLE = frozenset((f16, bf16, f32))
+#: tensor types whose half copies the cache may keep
+_CACHEABLE = frozenset((Tensor, torch.nn.Parameter))
 
 
 class CastCache:
@@ -49,7 +51,9 @@ class CastCache:
         # Only leaves that require grad are cached, as autocast does: their
         # cast is the expensive, repeated one, and they are not views of
         # activations that change every call.
-        if not (t.is_leaf and t.requires_grad):
+        # Tensor subclasses are not cached either: the FakeTensors and
+        # FunctionalTensors torch.compile traces with have no storage to key on.
+        if not (t.is_leaf and t.requires_grad) or type(t) not in _CACHEABLE:
             return t.to(to)
         entries = self._maps[torch.is_grad_enabled()]
         entry = entries.get(id(t))

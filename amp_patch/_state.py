@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ._cast import CastCache
 from ._patch import Patcher
 from .properties import Properties
+from .wrappers import Live
 
 
 class AmpState:
@@ -22,6 +23,7 @@ class AmpState:
         self.device_type = device_type
         self.patcher = Patcher()
         self.cache = CastCache()
+        self.live = Live()  # turned off at deinitialize: stray wrappers then call straight through
         self.models: List[Any] = []
         self.optimizers: List[Any] = []
         self.model_handles: List[Any] = []  # undo handles from model conversion

@@ -50,6 +50,7 @@ __all__ = [
     "half_function",
     "float_function",
     "promote_function",
+    "init",
 ]
 
 # None until initialize is called; False after initialize(enabled=False),
@@ -225,7 +226,7 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
 
 
 def init(*args: Any, **kwargs: Any) -> Any:
-    """apex.amp.init, the handle API that Apex deprecated in 2019: not provided.
+    """apex.amp.init, Apex's deprecated handle API: not provided.
 
     Raises:
         ConfigError: always, saying what to call instead.

@@ -95,7 +95,7 @@ def _maker(policy: str, qualname: str, method: bool, amp: AmpState, fix: str) ->
     def make(original):
         return make_wrapper(
             policy, qualname, original, method=method, half=amp.props.half_dtype,
-            cache=amp.cache, ledger=amp.ledger, fix=fix,
+            cache=amp.cache, ledger=amp.ledger, fix=fix, live=amp.live,
         )
 
     return make
@@ -245,6 +245,7 @@ def _teardown(amp: AmpState) -> None:
             errors.append(e)
     amp.undo_callbacks.clear()
     amp.patcher.undo()
+    amp.live.on = False
     amp.cache.clear()
     _state.set_current(None)
     if errors:

@@ -1,14 +1,362 @@
-"""Model conversion for O2/O3/O5 (half-precision model, FP32 batchnorm)."""
+"""Model conversion for O2/O3/O5: a half-precision model, FP32 where it matters.
+
+``attach`` casts each model's floating parameters and buffers to the half
+dtype in place (parameter objects keep their identity, so references held
+elsewhere stay valid), except batchnorm layers under ``keep_batchnorm_fp32``
+and the modules a ``keep_fp32`` filter selects. It then builds FP32 master
+weights for the optimizers (``master.py``).
+
+Everything is done with hooks, never by replacing ``forward``: a forward
+pre-hook casts the model's inputs to the half dtype, a forward hook casts its
+outputs (FP32 by default), a ``state_dict`` hook writes FP32 values (the masters
+where they exist) and a ``load_state_dict`` pre-hook loads FP32 values into the
+masters. The hooks are small module-level classes, so ``copy.deepcopy``,
+pickling, ``nn.DataParallel``, DDP and ``torch.compile`` see an ordinary module.
+The checkpoint hooks find the masters through the running AMP state at call
+time, so a deep copy (which has no masters) saves its own half values.
+"""
 from __future__ import annotations
 
-from .errors import ConfigError
+import difflib
+import fnmatch
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import _state, master
+from ._cast import CASTABLE, LOW, cast, needs_cast
+from .errors import ConfigError, StateError
+from .properties import parse_dtype
+
+Tensor = torch.Tensor
+f32 = torch.float32
+
+#: modules whose kernels take half inputs with FP32 parameters natively, so a
+#: kept-FP32 one needs no casting hooks around it
+_MIXED_INPUT_OK = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
+
+Filter = Callable[[nn.Module, str], bool]
 
 
-def validate(models, optimizers, props, options) -> None:
-    """Check models/optimizers/options for the model side before anything changes."""
-    if props.cast_model_type is not None and props.cast_model_type != __import__("torch").float32:
-        raise ConfigError(f"opt_level={props.opt_level!r} is not available yet")
+# ------------------------------------------------------------------ hooks
 
 
-def attach(amp, models, optimizers) -> None:
-    """Convert ``models`` and attach master weights to ``optimizers``."""
+class CastInputs:
+    """Forward pre-hook: cast floating inputs (args and kwargs) to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        to = self.dtype
+        if needs_cast(args, to) or (kwargs and needs_cast(kwargs, to)):
+            return cast(args, to, None), cast(kwargs, to, None)
+        return None
+
+    def __repr__(self) -> str:
+        return f"amp_patch.CastInputs({self.dtype})"
+
+
+class CastOutputs:
+    """Forward hook: cast floating outputs to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any):
+        return cast(output, self.dtype, None)
+
+    def __repr__(self) -> str:
+        return f"amp_patch.CastOutputs({self.dtype})"
+
+
+class SaveFP32:
+    """``state_dict`` post-hook: write each converted tensor in ``save_dtype``.
+
+    A parameter with a master is written from the master (its exact FP32
+    value); any other half tensor is cast. Only this module's own tensors are
+    touched: each converted module has its own hook, so ``submodule.state_dict()``
+    is converted too.
+    """
+
+    def __init__(self, save_dtype: torch.dtype):
+        self.save_dtype = save_dtype
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        amp = _state.current()
+        to = self.save_dtype
+        for name, p in module._parameters.items():
+            key = prefix + name
+            if p is None or key not in state_dict:
+                continue
+            m = master.lookup(amp, p)
+            value = state_dict[key]
+            if m is not None:
+                if value is p:  # state_dict(keep_vars=True) asks for the variables
+                    state_dict[key] = m if to == f32 else m.detach().to(to)
+                else:
+                    state_dict[key] = m.detach() if to == f32 else m.detach().to(to)
+            elif p.dtype in LOW and p.dtype != to:
+                state_dict[key] = value.detach().to(to)
+        for name, b in module._buffers.items():
+            key = prefix + name
+            if b is not None and key in state_dict and b.dtype in LOW and b.dtype != to:
+                state_dict[key] = state_dict[key].detach().to(to)
+
+
+class LoadIntoMasters:
+    """``load_state_dict`` pre-hook: copy incoming values into the masters.
+
+    The load itself then copies them into the half parameters (rounding), so
+    masters keep the exact FP32 values of the checkpoint.
+    """
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *rest: Any) -> None:
+        amp = _state.current()
+        if amp is None:
+            return
+        pairs = []
+        for name, p in module._parameters.items():
+            m = master.lookup(amp, p) if p is not None else None
+            if m is not None and prefix + name in state_dict:
+                pairs.append((m, state_dict[prefix + name]))
+        if not pairs:
+            return
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise StateError(
+                f"{type(module).__name__}.load_state_dict(..., assign=True) would replace the half-precision "
+                f"parameters amp_patch manages with the checkpoint's tensors. Load without assign=True "
+                f"(values are copied into the FP32 masters and the half model)."
+            )
+        with torch.no_grad():
+            for m, value in pairs:
+                if isinstance(value, Tensor) and value.shape == m.shape:
+                    m.copy_(value)
+
+
+# ------------------------------------------------------------------ options
+
+
+def _filter(keep_fp32: Any, models: Sequence[nn.Module]) -> Optional[Filter]:
+    """``keep_fp32`` as a ``(module, name) -> bool`` filter, or ConfigError."""
+    if keep_fp32 is None:
+        return None
+    if callable(keep_fp32):
+        return keep_fp32
+    patterns = [keep_fp32] if isinstance(keep_fp32, str) else keep_fp32
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise ConfigError(
+            f"keep_fp32={keep_fp32!r} must be a callable (module, name) -> bool or a list of "
+            f"module-name patterns such as ['classifier', '*.norm*']"
+        )
+    names = [(n, type(m).__name__) for model in models for n, m in model.named_modules() if n]
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(n, pat) or fnmatch.fnmatchcase(c, pat) for n, c in names):
+            pool = sorted({n for n, _ in names} | {c for _, c in names})
+            near = difflib.get_close_matches(pat, pool, 3)
+            hint = f"; did you mean {', '.join(repr(x) for x in near)}?" if near else ""
+            raise ConfigError(
+                f"keep_fp32 pattern {pat!r} matches no module name or class name of the model(s){hint} "
+                f"(patterns are matched with fnmatch against dotted names like 'encoder.layers.0.norm1' "
+                f"and class names like 'LayerNorm')"
+            )
+    return _PatternFilter(tuple(patterns))
+
+
+class _PatternFilter:
+    def __init__(self, patterns: Tuple[str, ...]):
+        self.patterns = patterns
+
+    def __call__(self, module: nn.Module, name: str) -> bool:
+        cls = type(module).__name__
+        return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(cls, p) for p in self.patterns)
+
+
+def _save_dtype(value: Any) -> torch.dtype:
+    if value is None:
+        return f32
+    return parse_dtype(value, "save_dtype", (torch.float16, torch.bfloat16, torch.float32))
+
+
+def validate(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], props: Any, options: dict) -> None:
+    """Check models, optimizers and model options before anything changes.
+
+    Raises:
+        ConfigError: naming the model, optimizer or option and the fix.
+    """
+    casts_half = props.cast_model_type in LOW
+    if options.get("keep_fp32") is not None:
+        if not casts_half:
+            raise ConfigError(
+                f"keep_fp32 keeps modules of a half-precision model in FP32, but opt_level={props.opt_level!r} "
+                f"does not cast the model; use it with O2, O3 or O5"
+            )
+        _filter(options["keep_fp32"], models)
+    _save_dtype(options.get("save_dtype"))
+
+    amp = _state.current()
+    for i, opt in enumerate(optimizers):
+        if amp is not None and id(opt) in amp.optimizer_handles and amp.optimizer_handles[id(opt)].patched:
+            raise ConfigError(f"optimizer {i} ({type(opt).__name__}) is already attached; pass each optimizer to initialize once")
+    for i, m in enumerate(models):
+        if casts_half and isinstance(m, nn.parallel.DistributedDataParallel):
+            raise ConfigError(
+                f"model {i} is wrapped in DistributedDataParallel, which fixed its gradient buckets to FP32. "
+                f"Call amp_patch.initialize on the plain model first, then wrap it: "
+                f"model, opt = amp_patch.initialize(model, opt, ...); model = DDP(model)"
+            )
+
+    if props.master_weights:
+        known = {id(p) for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()}
+        owner: Dict[int, int] = {}
+        for i, opt in enumerate(optimizers):
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    where = f"optimizer {i} ({type(opt).__name__}) param_groups[{g}]['params'][{j}] (shape {list(p.shape)})"
+                    if id(p) not in known:
+                        raise ConfigError(
+                            f"{where} is not a parameter of the model(s) passed to initialize. Under "
+                            f"opt_level={props.opt_level!r} each model parameter in the optimizer is replaced by an "
+                            f"FP32 master, so pass every model whose parameters the optimizer holds (or build the "
+                            f"optimizer from model.parameters())."
+                        )
+                    if id(p) in owner and owner[id(p)] != i:
+                        raise ConfigError(
+                            f"{where} is also held by optimizer {owner[id(p)]}; with FP32 master weights each "
+                            f"parameter can belong to one optimizer only"
+                        )
+                    owner[id(p)] = i
+    elif props.cast_model_type is None:
+        for i, opt in enumerate(optimizers):
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if p.dtype in LOW:
+                        raise ConfigError(
+                            f"optimizer {i} ({type(opt).__name__}) param_groups[{g}]['params'][{j}] is {p.dtype}: "
+                            f"the optimizer would update half-precision weights directly (FP16 master weights), "
+                            f"and small updates would round away. Pass the FP32 model (do not call .half() before "
+                            f"initialize), or use opt_level='O2' for FP32 master weights."
+                        )
+
+
+# ------------------------------------------------------------------ conversion
+
+
+class _Converted:
+    """What conversion changed in one model, to undo it."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.params: List[Tuple[Tensor, torch.dtype]] = []  # (parameter, dtype before)
+        self.buffers: List[Tuple[nn.Module, str, torch.dtype]] = []  # (module, name, dtype before)
+        self.handles: List[Any] = []
+        self.rnns: List[nn.Module] = []
+
+
+def _convert(model: nn.Module, dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool, keep: Optional[Filter],
+             save_dtype: torch.dtype, originals: Dict[int, tuple]) -> _Converted:
+    rec = _Converted(model)
+    skip = set()
+    seen_params = set()
+    for name, mod in model.named_modules():
+        if id(mod) in skip:
+            continue
+        kept = (keep_bn and isinstance(mod, nn.modules.batchnorm._BatchNorm)) or (keep is not None and name and keep(mod, name))
+        if kept:
+            skip.update(id(m) for m in mod.modules())
+            if not isinstance(mod, _MIXED_INPUT_OK):
+                rec.handles.append(mod.register_forward_pre_hook(CastInputs(f32), with_kwargs=True))
+                rec.handles.append(mod.register_forward_hook(CastOutputs(dtype)))
+            continue
+        changed = False
+        for pname, p in mod._parameters.items():
+            if p is None or id(p) in seen_params or p.dtype not in CASTABLE or p.dtype == dtype:
+                continue
+            seen_params.add(id(p))
+            grad, p.grad = p.grad, None
+            originals[id(p)] = (p.data, grad, p.dtype)
+            rec.params.append((p, p.dtype))
+            p.data = p.data.to(dtype)
+            if grad is not None and dtype not in LOW:
+                p.grad = grad.to(dtype)
+            changed = True
+        for bname, b in mod._buffers.items():
+            if b is not None and b.dtype in CASTABLE and b.dtype != dtype:
+                rec.buffers.append((mod, bname, b.dtype))
+                mod._buffers[bname] = b.to(dtype)
+                changed = True
+        if changed or any(p is not None and p.dtype in LOW for p in mod._parameters.values()):
+            rec.handles.append(mod.register_state_dict_post_hook(SaveFP32(save_dtype)))
+            rec.handles.append(mod.register_load_state_dict_pre_hook(LoadIntoMasters()))
+        if changed and isinstance(mod, nn.RNNBase):
+            rec.rnns.append(mod)
+            mod.flatten_parameters()
+    rec.handles.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
+    rec.handles.append(model.register_forward_hook(CastOutputs(out_dtype)))
+    return rec
+
+
+class _Unconvert:
+    """Undo callback for one converted model (a class, so the record is inspectable)."""
+
+    def __init__(self, rec: _Converted):
+        self.rec = rec
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        rec = self.rec
+        for h in reversed(rec.handles):
+            h.remove()
+        for p, dtype in rec.params:
+            if p.dtype != dtype:  # a parameter with a master is already back (master.restore)
+                grad, p.grad = p.grad, None
+                p.data = p.data.to(dtype)
+                if grad is not None:
+                    p.grad = grad.to(dtype)
+        for mod, name, dtype in rec.buffers:
+            b = mod._buffers.get(name)
+            if b is not None and b.dtype != dtype:
+                mod._buffers[name] = b.to(dtype)
+        for mod in rec.rnns:
+            mod.flatten_parameters()
+
+
+class _Release:
+    """Undo callback: an optimizer's masters back to the model's parameters."""
+
+    def __init__(self, masters: master.MasterWeights):
+        self.masters = masters
+
+    def __call__(self) -> None:
+        self.masters.restore()
+
+
+def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Convert ``models`` and put FP32 masters into ``optimizers``.
+
+    Undo work is appended to ``amp.undo_callbacks`` as it is done, so a failure
+    half way, or ``deinitialize``, restores the models and optimizers.
+    """
+    from . import scaling
+
+    props = amp.props
+    originals: Dict[int, tuple] = {}
+    dtype = props.cast_model_type
+    if dtype is not None:
+        keep = _filter(amp.options.get("keep_fp32"), models)
+        keep_bn = bool(props.keep_batchnorm_fp32)
+        out_dtype = props.cast_model_outputs or f32
+        save_dtype = _save_dtype(amp.options.get("save_dtype"))
+        for m in models:
+            rec = _convert(m, dtype, out_dtype, keep_bn, keep, save_dtype, originals)
+            amp.model_handles.append(rec)
+            amp.undo_callbacks.append(_Unconvert(rec))
+    for opt in optimizers:
+        handle = scaling.handle(amp, opt)
+        if props.master_weights and handle.masters is None:
+            mw = master.MasterWeights(opt)
+            amp.undo_callbacks.append(_Release(mw))
+            handle.masters = mw
+            for group in opt.param_groups:
+                mw.adopt(group, originals)

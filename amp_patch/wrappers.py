@@ -62,6 +62,26 @@ class _Switch:
 switch = _Switch()
 
 
+class Live:
+    """Whether the session that built a wrapper is still running.
+
+    ``deinitialize`` turns it off. A module imported while torch was patched
+    may have kept a reference to one of our wrappers (inductor's extern
+    kernels take ``torch.mm`` and ``torch.convolution`` at import); once its
+    session is over such a wrapper calls straight through, so it behaves as
+    the function it wraps.
+    """
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = True
+
+
+#: for wrappers that belong to no session
+ALWAYS = Live()
+
+
 def push_disabled() -> None:
     ident = get_ident()
     disabled[ident] = disabled.get(ident, 0) + 1
@@ -110,6 +130,10 @@ def _fixed_planner(to: torch.dtype) -> Callable:
     castable = CASTABLE - {to}
 
     def plan(instance, args, kwargs):
+        # An explicit out= tensor fixes the result's dtype: such calls are not
+        # cast (autocast's rule too).
+        if kwargs and "out" in kwargs:
+            return None
         # Flat arguments are scanned inline: this runs on every call.
         if instance is not None and instance.dtype in castable:
             return to
@@ -127,6 +151,8 @@ def _fixed_planner(to: torch.dtype) -> Callable:
 
 
 def _promote_plan(instance, args, kwargs):
+    if kwargs and "out" in kwargs:
+        return None
     seen = None if instance is None else _scan(instance, None)
     seen = _scan(args, seen)
     if kwargs and seen is not _MIXED:
@@ -158,6 +184,7 @@ def make_wrapper(
     cache: Optional[CastCache],
     ledger: Any = None,
     fix: str = "",
+    live: Live = ALWAYS,
 ) -> wrapt.FunctionWrapper:
     """Build the wrapt wrapper that applies ``policy`` to ``original``.
 
@@ -171,25 +198,27 @@ def make_wrapper(
         cache: the weight-cast cache, or None.
         ledger: the op ledger when stats are collected; None costs nothing.
         fix: for ``banned``, what to use instead.
+        live: the session's ``Live`` flag; the wrapper calls straight
+            through once it is off.
     """
     if policy == "banned":
-        return wrapt.FunctionWrapper(original, _banned(qualname, half, fix))
+        return wrapt.FunctionWrapper(original, _banned(qualname, half, fix, live))
     name = qualname.rpartition(".")[2]
     plan = make_planner(policy, half)
     if method and is_inplace(name):
-        fn = _inplace(policy, qualname, original, plan, half)
+        fn = _inplace(policy, qualname, original, plan, half, live)
     elif ledger is not None:
-        fn = _instrumented(qualname, policy, original, method, plan, cache, ledger)
+        fn = _instrumented(qualname, policy, original, method, plan, cache, ledger, live)
     elif method:
-        fn = _method(original, plan, cache)
+        fn = _method(original, plan, cache, live)
     else:
-        fn = _function(original, plan, cache)
+        fn = _function(original, plan, cache, live)
     return wrapt.FunctionWrapper(original, fn)
 
 
-def _function(original, plan, cache):
+def _function(original, plan, cache, live):
     def wrapper(wrapped, instance, args, kwargs):
-        if disabled and get_ident() in disabled:
+        if (disabled and get_ident() in disabled) or not live.on:
             return wrapped(*args, **kwargs)
         to = plan(None, args, kwargs)
         if to is None:
@@ -201,9 +230,9 @@ def _function(original, plan, cache):
     return wrapper
 
 
-def _method(original, plan, cache):
+def _method(original, plan, cache, live):
     def wrapper(wrapped, instance, args, kwargs):
-        if disabled and get_ident() in disabled:
+        if (disabled and get_ident() in disabled) or not live.on:
             return original(instance, *args, **kwargs)
         to = plan(instance, args, kwargs)
         if to is None:
@@ -215,10 +244,10 @@ def _method(original, plan, cache):
     return wrapper
 
 
-def _inplace(policy, qualname, original, plan, half):
+def _inplace(policy, qualname, original, plan, half, live):
     """In-place Tensor ops: the receiver keeps its dtype, the others follow it."""
     def wrapper(wrapped, instance, args, kwargs):
-        if (disabled and get_ident() in disabled) or not isinstance(instance, Tensor):
+        if (disabled and get_ident() in disabled) or not live.on or not isinstance(instance, Tensor):
             return original(instance, *args, **kwargs)
         to = instance.dtype
         if policy == "float" and to in LOW:
@@ -235,9 +264,9 @@ def _inplace(policy, qualname, original, plan, half):
     return wrapper
 
 
-def _banned(qualname, half, fix):
+def _banned(qualname, half, fix, live):
     def wrapper(wrapped, instance, args, kwargs):
-        if disabled and get_ident() in disabled:
+        if (disabled and get_ident() in disabled) or not live.on:
             return wrapped(*args, **kwargs)
         raise BannedOpError(
             f"{qualname} is unsafe in {half} and amp_patch refuses to run it while casting is on. "
@@ -248,12 +277,12 @@ def _banned(qualname, half, fix):
     return wrapper
 
 
-def _instrumented(qualname, policy, original, method, plan, cache, ledger):
+def _instrumented(qualname, policy, original, method, plan, cache, ledger, live):
     """The same call path with the op ledger recording it (``collect_stats``)."""
     record = ledger.record
 
     def wrapper(wrapped, instance, args, kwargs):
-        if disabled and get_ident() in disabled:
+        if (disabled and get_ident() in disabled) or not live.on:
             return original(instance, *args, **kwargs) if method else wrapped(*args, **kwargs)
         to = plan(instance if method else None, args, kwargs)
         if to is None:

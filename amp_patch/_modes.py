@@ -1,0 +1,184 @@
+"""The watching mode behind the diagnostics, and the names of torch's functions.
+
+The op ledger's "unlisted ops" and overflow provenance must see every torch
+call, patched or not. They do it with one ``TorchFunctionMode`` per thread
+that calls each function and then hands ``(func, args, kwargs, out)`` to the
+observers registered here. The mode exists only while an observer does, so a
+run without ``collect_stats`` or ``find_overflow`` never meets it.
+
+Torch keeps its mode stack per thread: the mode is pushed on the thread that
+registers an observer (or calls ``ensure_here``) and taken off on the thread
+that removes the last one. On any other thread it is left in place but, with
+no observer, only calls straight through.
+
+``OpNames`` maps a function object torch hands to a mode back to the public
+names under which amp_patch could patch it (``torch.nn.functional.linear``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import wrapt
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
+
+from .oplists import NAMESPACES
+
+Observer = Callable[[Any, tuple, dict, Any], None]
+
+# Replaced as a whole, never mutated, so every thread's mode can read it
+# without a lock.
+_observers: Tuple[Observer, ...] = ()
+_lock = threading.Lock()
+_local = threading.local()
+
+
+_WRAPT_TYPES = (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)
+_OUR_WRAPPERS = __package__ + ".wrappers"
+
+
+def _ours(func: Any) -> bool:
+    return isinstance(func, _WRAPT_TYPES) and getattr(getattr(func, "_self_wrapper", None), "__module__", None) == _OUR_WRAPPERS
+
+
+class _Watch(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if _ours(func):
+            # A Python-level torch function that one of our wrappers already
+            # called re-dispatches through its (patched) module global while
+            # a mode is on; run the original so the op is not cast or
+            # counted twice, as it would run with no mode.
+            func = func.__wrapped__
+        out = func(*args, **kwargs)
+        observers = _observers
+        if observers:
+            # Observers inspect tensors (dtype, isfinite); that must neither
+            # recurse into this mode nor reach a user's mode.
+            with torch._C.DisableTorchFunction():
+                for observe in observers:
+                    observe(func, args, kwargs, out)
+        return out
+
+
+def ensure_here() -> None:
+    """Make sure the watching mode is on this thread's mode stack."""
+    if getattr(_local, "mode", None) is None:
+        mode = _Watch()
+        _push_mode(mode)
+        _local.mode = mode
+
+
+def add(observer: Observer) -> None:
+    """Start calling ``observer`` for every torch call (this thread and any
+    thread that calls ``ensure_here``)."""
+    global _observers
+    with _lock:
+        if observer not in _observers:
+            _observers = _observers + (observer,)
+    ensure_here()
+
+
+def remove(observer: Observer) -> None:
+    """Stop calling ``observer``; the last removal takes the mode off this thread."""
+    global _observers
+    with _lock:
+        _observers = tuple(o for o in _observers if o != observer)
+        last = not _observers
+    mode = getattr(_local, "mode", None)
+    if last and mode is not None:
+        _local.mode = None
+        _take_off(mode)
+
+
+def _take_off(mode: TorchFunctionMode) -> None:
+    # A user's mode may have been entered after ours: lift the ones above
+    # ours, drop ours, and put theirs back in the same order.
+    above = []
+    for _ in range(torch._C._len_torch_function_stack()):
+        top = _pop_mode()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        _push_mode(m)
+
+
+# ------------------------------------------------------------------ names
+
+_SKIP_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (torch, wrapt, sys.modules[__package__])
+)
+
+
+def user_site(depth: int = 1) -> str:
+    """``file:line`` of the innermost caller outside torch, wrapt and amp_patch.
+
+    Walks frames, so it is for first sightings only, never per call.
+    """
+    f: Optional[Any] = sys._getframe(depth)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_SKIP_DIRS) and not fn.startswith("<frozen"):
+            return f"{fn}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+class OpNames:
+    """Public names of torch's functions, for one AMP run.
+
+    ``names(func)`` gives every ``(namespace, name)`` that holds ``func``
+    (``F.conv2d`` *is* ``torch.conv2d``), looking through amp_patch's own
+    wrappers; ``covered(func)`` says whether any of them is in the op lists
+    in force.
+    """
+
+    def __init__(self, amp: Any):
+        self.amp = amp
+        self._by_id: Optional[Dict[int, Tuple[Tuple[str, str], ...]]] = None
+        self._keep: list = []  # keeps the indexed objects (and so their ids) alive
+
+    def _build(self) -> Dict[int, Tuple[Tuple[str, str], ...]]:
+        patcher = self.amp.patcher
+        by_id: Dict[int, Tuple[Tuple[str, str], ...]] = {}
+        for ns, owner in NAMESPACES.items():
+            for name in dir(owner):
+                if name.startswith("_") and not name.startswith("__"):
+                    continue
+                objs = [getattr(owner, name, None)]
+                if patcher.is_patched(owner, name):
+                    objs.append(patcher.get_original(owner, name))
+                for obj in objs:
+                    if callable(obj) and not isinstance(obj, type):
+                        by_id[id(obj)] = by_id.get(id(obj), ()) + ((ns, name),)
+                        self._keep.append(obj)
+        return by_id
+
+    def names(self, func: Any) -> Tuple[Tuple[str, str], ...]:
+        if self._by_id is None:
+            self._by_id = self._build()
+        found = self._by_id.get(id(func))
+        if found:
+            return found
+        # A Tensor method reached through an instance (ours arrives as a
+        # bound wrapt proxy) is named by its receiver's class.
+        if isinstance(getattr(func, "__self__", None), torch.Tensor):
+            name = getattr(func, "__name__", None)
+            if isinstance(name, str) and hasattr(torch.Tensor, name):
+                return (("torch.Tensor", name),)
+        return ()
+
+    def covered(self, names: Tuple[Tuple[str, str], ...]) -> bool:
+        table = self.amp.table or {}
+        patcher = self.amp.patcher
+        return any(key in table or patcher.is_patched(NAMESPACES[key[0]], key[1]) for key in names)
+
+
+def qualname(key: Tuple[str, str]) -> str:
+    return f"{key[0]}.{key[1]}"

@@ -1,0 +1,211 @@
+"""The ``amp-patch`` command (also ``python -m amp_patch``).
+
+Subcommands:
+
+* ``run``   - run a training script with AMP on, unmodified (see ``launcher``).
+* ``lists`` - print the effective op policy after overrides.
+* ``check`` - validate op-list override files.
+* ``demo``  - train a small network in FP32, O1 and O2 and compare.
+
+Exit codes: 0 success; 1 problems found (``check``) or the script's
+uncaught exception (``run``, with its traceback printed as Python prints
+it); 2 bad command-line input, nothing run. Under ``run`` the script's own
+``sys.exit`` code passes through unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+from .errors import AmpError
+from .properties import parse_dtype
+
+PROG = "amp-patch"
+HALF_CHOICES = "float16|bfloat16"
+
+
+class _UsageExit(Exception):
+    """argparse's exit (usage error or --help) as a return code, not SystemExit,
+    so that under ``run`` only the script's own SystemExit leaves ``main``."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def exit(self, status: int = 0, message: Optional[str] = None):
+        if message:
+            self._print_message(message, sys.stderr)
+        raise _UsageExit(status)
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=f"{PROG} run",
+        usage=f"{PROG} run [options] script.py [script args ...]",
+        description="Run an unmodified training script with automatic mixed precision. Everything after "
+        "the script path is passed to the script. Each option defaults to its environment variable.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--opt-level", metavar="O0..O5", help="opt level (default $AMP_PATCH_OPT_LEVEL, else O1)")
+    p.add_argument("--half-dtype", metavar=HALF_CHOICES, help="low-precision dtype (default $AMP_PATCH_HALF_DTYPE, else FP16 on CUDA, BF16 on CPU)")
+    p.add_argument("--lists", metavar="FILE.yaml", action="append", default=[], help="op-list override; repeatable (added to $AMP_PATCH_LISTS)")
+    p.add_argument("--loss-scale", metavar="dynamic|FLOAT", help="loss scale (default $AMP_PATCH_LOSS_SCALE, else the opt level's)")
+    return p
+
+
+def _split_run_args(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """Split ``run``'s tokens into launcher options and ``[script, *script args]``.
+
+    Done by hand so the script's arguments (``--``, flags named like ours)
+    reach it exactly as typed.
+    """
+    takes_value = {s for a in parser._actions for s in a.option_strings if a.nargs != 0}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok == "--":
+            return list(tokens[:i]), list(tokens[i + 1:])
+        if not tok.startswith("-") or tok == "-":
+            return list(tokens[:i]), list(tokens[i:])
+        i += 2 if tok in takes_value else 1
+    return list(tokens), []
+
+
+def _cmd_run(tokens: Sequence[str]) -> int:
+    from . import launcher
+
+    parser = _run_parser()
+    options, rest = _split_run_args(parser, tokens)
+    ns = parser.parse_args(options)
+    if not rest:
+        parser.error("the script to run is missing (usage: amp-patch run [options] script.py [args ...])")
+    script, args = rest[0], rest[1:]
+    try:
+        settings = launcher.Settings.resolve(
+            ns.opt_level, ns.half_dtype, ns.loss_scale, ns.lists,
+            names={"opt_level": "--opt-level", "half_dtype": "--half-dtype", "loss_scale": "--loss-scale"},
+        )
+        launcher.check_script(script)
+    except AmpError as e:
+        parser.error(str(e))
+    try:
+        launcher.run(script, args, settings)
+    except Exception as e:  # SystemExit and KeyboardInterrupt pass through untouched
+        # Print it as `python script.py` would: from the script's first frame.
+        tb = _script_traceback(e.__traceback__, os.path.abspath(script))
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        return 1
+    return 0
+
+
+def _script_traceback(tb, path: str):
+    """``tb`` without the launcher's own frames (cli, launcher, runpy)."""
+    t = tb
+    while t is not None:
+        if os.path.abspath(t.tb_frame.f_code.co_filename) == path:
+            return t
+        t = t.tb_next
+    return tb
+
+
+def _add_half(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--half-dtype", metavar=HALF_CHOICES, help="the dtype whose policy to show (default: FP16 on CUDA, BF16 on CPU)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="the device whose policy to show (default: CUDA if present)")
+
+
+def _main_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Automatic mixed precision for existing PyTorch code.", allow_abbrev=False)
+    sub = p.add_subparsers(dest="command", metavar="{run,lists,check,demo}")
+    sub.add_parser("run", help="run a training script with AMP on, unmodified", add_help=False)
+    lists = sub.add_parser("lists", help="print the effective op policy after overrides", allow_abbrev=False)
+    lists.add_argument("--lists", metavar="FILE.yaml", action="append", default=[], help="op-list override; repeatable (added to $AMP_PATCH_LISTS)")
+    _add_half(lists)
+    lists.add_argument("--format", choices=("table", "yaml"), default="table")
+    lists.set_defaults(parser=lists)
+    check = sub.add_parser("check", help="validate op-list override files", allow_abbrev=False)
+    check.add_argument("files", metavar="FILE.yaml", nargs="+")
+    check.set_defaults(parser=check)
+    sub.add_parser("demo", help="train a small network in FP32, O1 and O2 and compare", add_help=False)
+    return p
+
+
+def _cmd_lists(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import listview
+
+    try:
+        half = None if ns.half_dtype is None else parse_dtype(ns.half_dtype, "--half-dtype")
+        text = listview.render(ns.lists, half, ns.device, ns.format)
+    except AmpError as e:
+        parser.error(str(e))
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `amp-patch lists | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _cmd_check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import listview
+
+    missing = [f for f in ns.files if not os.path.exists(f)]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
+    problems = listview.check(ns.files)
+    for line in problems:
+        print(line)
+    if problems:
+        print(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found", file=sys.stderr)
+        return 1
+    print(f"{', '.join(ns.files)}: no problems")
+    return 0
+
+
+def _cmd_demo(tokens: Sequence[str]) -> int:
+    try:
+        demo = importlib.import_module("amp_patch.demo")
+    except ModuleNotFoundError as e:
+        if e.name != "amp_patch.demo":
+            raise
+        print(f"{PROG} demo: the demo is not part of this installation of amp_patch (amp_patch/demo.py is missing)", file=sys.stderr)
+        return 2
+    rc = demo.main(list(tokens))
+    return 0 if rc is None else rc
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``amp-patch`` and ``python -m amp_patch``; returns the exit code.
+
+    Args:
+        argv: the arguments after the program name (default ``sys.argv[1:]``).
+
+    Example::
+
+        amp-patch run --opt-level O1 train.py --epochs 1
+        amp-patch lists --half-dtype float16 --format yaml
+        amp-patch check my_lists.yaml
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("run", "demo"):
+        try:
+            return _cmd_run(argv[1:]) if argv[0] == "run" else _cmd_demo(argv[1:])
+        except _UsageExit as e:
+            return e.code
+    parser = _main_parser()
+    try:
+        ns = parser.parse_args(argv)
+        if ns.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        if ns.command == "lists":
+            return _cmd_lists(ns, ns.parser)
+        return _cmd_check(ns, ns.parser)
+    except _UsageExit as e:
+        return e.code
+
+

@@ -1,0 +1,423 @@
+"""The zero-code launcher: run an unmodified training script with AMP on.
+
+``amp-patch run [options] script.py [args...]`` (and ``import amp_patch.auto``)
+enable mixed precision before the script imports anything:
+
+* **O1/O4** patch torch's functions up front, and every optimizer the script
+  builds is handed to the loss scaler as soon as its constructor returns, so a
+  plain FP32 loop (``loss.backward(); optimizer.step()``) trains in mixed
+  precision unchanged.
+* **O2/O3/O5** cast the model, so they need it: when the script builds an
+  optimizer, the launcher finds the one ``nn.Module`` that holds all of that
+  optimizer's parameters and initializes the pair. Each later optimizer is
+  paired with its own model the same way. When no single model owns the
+  parameters, the model is already wrapped in DistributedDataParallel, or the
+  model is already paired, the optimizer's constructor raises a ``ConfigError``
+  that says to add the one-line ``initialize`` instead.
+* **O0** runs in FP32; only the apex alias is installed.
+
+What the launcher starts is *provisional*: if the script calls
+``amp.initialize`` / ``amp_patch.initialize`` itself, its call replaces the
+launcher's (keeping the launcher's half dtype and op lists unless the call
+names its own) and the launcher steps aside for the rest of the run.
+
+Every switch is also an environment variable, for launchers that cannot pass
+flags (``torchrun``): ``AMP_PATCH_OPT_LEVEL``, ``AMP_PATCH_HALF_DTYPE``,
+``AMP_PATCH_LOSS_SCALE`` and ``AMP_PATCH_LISTS``; a flag beats its variable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import math
+import os
+import runpy
+import sys
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import wrapt
+
+from . import _state, oplists
+from ._patch import Patcher
+from .errors import ConfigError
+from .properties import OPT_LEVELS, parse_dtype, resolve
+
+log = logging.getLogger("amp_patch")
+
+ENV_OPT_LEVEL = "AMP_PATCH_OPT_LEVEL"
+ENV_HALF_DTYPE = "AMP_PATCH_HALF_DTYPE"
+ENV_LOSS_SCALE = "AMP_PATCH_LOSS_SCALE"
+ENV_LISTS = oplists.ENV_VAR  # read by oplists itself, wherever lists are loaded
+
+_NOTSET = object()
+FUNCTION_LEVELS = ("O1", "O4")  # patch functions; no model needed
+MODEL_LEVELS = ("O2", "O3", "O5")  # cast the model; attach at its optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The launcher's validated switches.
+
+    ``lists`` holds only the explicitly given override files; ``$AMP_PATCH_LISTS``
+    is added by the op-list loader wherever lists are loaded.
+    """
+
+    opt_level: str = "O1"
+    half_dtype: Optional[torch.dtype] = None
+    loss_scale: Union[str, float, None] = None
+    lists: Tuple[str, ...] = ()
+
+    @classmethod
+    def resolve(
+        cls,
+        opt_level: Optional[str] = None,
+        half_dtype: Any = None,
+        loss_scale: Any = None,
+        lists: Sequence[str] = (),
+        names: Optional[dict] = None,
+    ) -> "Settings":
+        """Validate explicit values, falling back to the environment variables.
+
+        Args:
+            opt_level, half_dtype, loss_scale, lists: explicit values (None:
+                take the environment variable, then the default).
+            names: how to name each explicit input in error messages, e.g.
+                ``{"opt_level": "--opt-level"}``.
+
+        Raises:
+            ConfigError: a bad value, naming the flag or variable it came from.
+            ListError: every problem in the op lists (including ``$AMP_PATCH_LISTS``).
+
+        Example::
+
+            settings = Settings.resolve(opt_level="O1", half_dtype="bfloat16")
+        """
+        names = names or {}
+
+        def pick(key: str, value: Any, env: str) -> Tuple[Any, str]:
+            if value is not None:
+                return value, names.get(key, key)
+            raw = os.environ.get(env, "").strip()
+            return (raw or None), env
+
+        raw, where = pick("opt_level", opt_level, ENV_OPT_LEVEL)
+        level = "O1" if raw is None else str(raw).strip().upper()
+        if level not in OPT_LEVELS:
+            hint = " (the letter O, not zero)" if level.startswith("0") else ""
+            raise ConfigError(f"{where}={raw!r} is not an opt level{hint}; use one of {', '.join(OPT_LEVELS)}")
+
+        half, where = pick("half_dtype", half_dtype, ENV_HALF_DTYPE)
+        if half is not None:
+            half = parse_dtype(half, where)
+
+        scale, where = pick("loss_scale", loss_scale, ENV_LOSS_SCALE)
+        if scale is not None:
+            scale = _parse_loss_scale(scale, where)
+
+        given = tuple(str(p) for p in lists)
+        settings = cls(level, half, scale, given)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        extra = {} if scale is None else {"loss_scale": scale}
+        resolve(level, device, half, **extra)  # combinations (e.g. O4 with float16)
+        if level != "O0" or given:
+            oplists.load(list(given))  # every list problem now, before the script starts
+        return settings
+
+    def initialize_kwargs(self) -> dict:
+        out: dict = {"half_dtype": self.half_dtype, "lists": list(self.lists) or None}
+        if self.loss_scale is not None:
+            out["loss_scale"] = self.loss_scale
+        return out
+
+
+def _parse_loss_scale(value: Any, where: str) -> Union[str, float]:
+    if isinstance(value, str) and value.strip().lower() == "dynamic":
+        return "dynamic"
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        f = math.nan
+    if not (f > 0 and math.isfinite(f)):
+        raise ConfigError(f"{where}={value!r} is not a loss scale; use 'dynamic' or a positive number such as 128")
+    return f
+
+
+# ------------------------------------------------------------------ optimizers
+
+
+class OptimizerHook:
+    """Calls ``on_built(optimizer)`` when a script finishes building an optimizer.
+
+    Optimizer subclasses do work after ``super().__init__()`` returns, so the
+    hook wraps ``__init__`` of ``Optimizer`` and of every subclass (existing
+    ones now, later ones as they are defined) and fires when the outermost
+    constructor of an object returns. An optimizer built inside another one's
+    constructor (a wrapper optimizer) is left to its owner.
+    """
+
+    def __init__(self, on_built: Callable[[torch.optim.Optimizer], None]):
+        self.on_built = on_built
+        self._patcher = Patcher()
+        self._building = threading.local()
+        self._own_init_subclass: Any = _NOTSET
+
+    def install(self) -> None:
+        base = torch.optim.Optimizer
+        hook = self
+
+        def init_subclass(cls, **kwargs):
+            super(base, cls).__init_subclass__(**kwargs)
+            hook._wrap(cls)
+
+        classes, todo = [], [base]
+        while todo:
+            cls = todo.pop()
+            classes.append(cls)
+            todo.extend(cls.__subclasses__())
+        try:
+            for cls in classes:
+                self._wrap(cls)
+        except BaseException:
+            self._patcher.undo()
+            raise
+        # Not through the Patcher: the inherited value is a fresh bound method
+        # on every lookup, so "is it back?" checks cannot work; own-or-delete can.
+        self._own_init_subclass = vars(base).get("__init_subclass__", _NOTSET)
+        base.__init_subclass__ = classmethod(init_subclass)
+
+    def uninstall(self) -> None:
+        base = torch.optim.Optimizer
+        if self._own_init_subclass is not _NOTSET:
+            base.__init_subclass__ = self._own_init_subclass
+        elif "__init_subclass__" in vars(base):
+            del base.__init_subclass__
+        self._own_init_subclass = _NOTSET
+        self._patcher.undo()
+
+    def _wrap(self, cls: type) -> None:
+        if "__init__" in vars(cls):
+            self._patcher.apply([(cls, "__init__", lambda old: wrapt.FunctionWrapper(old, self._init))])
+
+    def _init(self, wrapped, instance, args, kwargs):
+        stack = self._building.__dict__.setdefault("stack", [])
+        outermost = not stack
+        stack.append(instance)
+        try:
+            wrapped(*args, **kwargs)
+        finally:
+            stack.pop()
+        if outermost:
+            self.on_built(instance)
+
+
+def owning_model(optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+    """The one top-level ``nn.Module`` that holds every parameter of ``optimizer``.
+
+    Looks through the live modules once; a module that is another module's
+    child is not top-level.
+
+    Raises:
+        ConfigError: no such module, several, or one already wrapped in
+            DistributedDataParallel; the message says to call ``initialize``.
+    """
+    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    # type(), not isinstance(): isinstance also asks o.__class__, which some
+    # live objects (deprecated torch aliases, proxies) answer with warnings.
+    modules = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
+    children = {id(c) for m in modules for c in m.children()}
+    roots = [m for m in modules if id(m) not in children and wanted <= {id(p) for p in m.parameters()}]
+    fix = (
+        "add the one line `model, optimizer = amp_patch.initialize(model, optimizer, opt_level=...)` "
+        "after building them (or run at --opt-level O1/O4, which needs no model)"
+    )
+    name = type(optimizer).__name__
+    if not roots:
+        raise ConfigError(
+            f"the launcher cannot tell which model {name} trains: no single nn.Module holds all of its "
+            f"parameters, and opt levels O2/O3/O5 must cast the model; {fix}"
+        )
+    if len(roots) > 1:
+        kinds = ", ".join(type(m).__name__ for m in roots)
+        raise ConfigError(f"the launcher cannot tell which model {name} trains: {len(roots)} models hold its parameters ({kinds}); {fix}")
+    model = roots[0]
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ConfigError(
+            f"the model of {name} is already wrapped in DistributedDataParallel, and O2/O3/O5 must cast a "
+            f"model before DDP wraps it; add `model, optimizer = amp_patch.initialize(model, optimizer, "
+            f"opt_level=...)` before `DistributedDataParallel(model)`, or run at --opt-level O1/O4"
+        )
+    return model
+
+
+# --------------------------------------------------------------------- session
+
+
+class Session:
+    """AMP for a whole process, started before the script and stopped after it.
+
+    ``start()`` installs the apex alias and, by opt level, patches functions
+    up front and hooks optimizer construction; ``stop()`` undoes all of it.
+    """
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.amp: Any = None  # the AmpState this session started, if any
+        self.stepped_aside = False
+        self._hook: Optional[OptimizerHook] = None
+        self._alias = False
+
+    def start(self) -> None:
+        """Turn AMP on. Raises ``ConfigError`` if amp_patch is already initialized.
+
+        Example::
+
+            session = Session(Settings.resolve(opt_level="O1"))
+            session.start()
+            try:
+                train()
+            finally:
+                session.stop()
+        """
+        from . import alias, frontend
+
+        if _state.current() is not None:
+            raise ConfigError("amp_patch is already initialized in this process; the launcher starts it itself. Call amp_patch.deinitialize() first.")
+        self._alias = not alias.is_installed() and alias.install_apex_alias()
+        level = self.settings.opt_level
+        try:
+            if level in FUNCTION_LEVELS:
+                frontend.initialize(None, None, level, verbosity=0, **self.settings.initialize_kwargs())
+                self._mark(_state.current())
+            if level in FUNCTION_LEVELS or level in MODEL_LEVELS:
+                self._hook = OptimizerHook(self._on_optimizer)
+                self._hook.install()
+        except BaseException:
+            self.stop()
+            raise
+        log.info("amp_patch: launcher started %s", level)
+
+    def stop(self) -> None:
+        """Undo ``start()``: no hook, no alias, amp_patch deinitialized."""
+        from . import alias, frontend
+
+        try:
+            if self._hook is not None:
+                self._hook.uninstall()
+                self._hook = None
+            if _state.current() is not None:
+                frontend.deinitialize()
+        finally:
+            if self._alias:
+                alias.remove_apex_alias()
+                self._alias = False
+
+    def _mark(self, amp: Any) -> None:
+        self.amp = amp
+        amp.provisional = {"half_dtype": self.settings.half_dtype, "lists": list(self.settings.lists) or None}
+
+    def _ours(self) -> bool:
+        """True while the running AMP state is the one this session started."""
+        current = _state.current()
+        if self.stepped_aside or (self.amp is not None and current is not self.amp) or (self.amp is None and current is not None):
+            # The script initialized (or deinitialized) itself: its word wins.
+            self.stepped_aside = True
+            return False
+        return True
+
+    def _on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._ours():
+            return
+        if self.settings.opt_level in FUNCTION_LEVELS:
+            from . import scaling
+
+            scaling.adopt_optimizer(optimizer)
+            return
+        from . import frontend
+
+        model = owning_model(optimizer)
+        if self.amp is not None and any(model is m for m in self.amp.models):
+            raise ConfigError(
+                f"the launcher already paired {type(model).__name__} with an earlier optimizer; a second optimizer "
+                f"over the same model needs the one line `model, [opt1, opt2] = amp_patch.initialize(model, "
+                f"[opt1, opt2], opt_level={self.settings.opt_level!r})` in the script"
+            )
+        # The launcher's own later calls add to its state instead of replacing it.
+        saved = getattr(self.amp, "provisional", None)
+        if self.amp is not None:
+            self.amp.provisional = None
+        try:
+            frontend.initialize(model, optimizer, self.settings.opt_level, verbosity=0, **self.settings.initialize_kwargs())
+        finally:
+            if self.amp is not None:
+                self.amp.provisional = saved
+        if self.amp is None:
+            self._mark(_state.current())
+        log.info("amp_patch: launcher attached %s to %s at %s", type(optimizer).__name__, type(model).__name__, self.settings.opt_level)
+
+
+# ------------------------------------------------------------------------- run
+
+
+def check_script(script: Union[str, os.PathLike]) -> str:
+    """The absolute path of ``script``, or ConfigError if it cannot be run."""
+    path = os.path.abspath(os.fspath(script))
+    if not os.path.exists(path):
+        raise ConfigError(f"script {os.fspath(script)!r} does not exist (looked for {path})")
+    if os.path.isfile(path) and not os.access(path, os.R_OK):
+        raise ConfigError(f"script {os.fspath(script)!r} cannot be read (permission denied)")
+    return path
+
+
+def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Optional[Settings] = None) -> dict:
+    """Run ``script`` as ``__main__`` with AMP on, as ``python script.py args...`` would.
+
+    ``sys.argv``, ``__file__`` and ``sys.path[0]`` (the script's folder, for
+    its sibling imports) are set as Python sets them; ``if __name__ ==
+    "__main__":`` blocks run. The script's exceptions, ``SystemExit``
+    included, propagate unchanged; ``sys.argv``, ``sys.path``, torch and
+    ``apex`` are restored afterwards.
+
+    Args:
+        script: path to a ``.py`` file (or a folder / zip with ``__main__.py``).
+        args: the script's command-line arguments.
+        settings: the switches (default: from the environment variables).
+
+    Returns:
+        the script's module globals, as ``runpy.run_path`` returns them.
+
+    Raises:
+        ConfigError: bad settings or a missing script; the script never started.
+        ListError: invalid op lists; the script never started.
+
+    Example::
+
+        from amp_patch import launcher
+        launcher.run("train.py", ["--epochs", "1"], launcher.Settings.resolve(opt_level="O1"))
+    """
+    settings = settings if settings is not None else Settings.resolve()
+    path = check_script(script)
+    session = Session(settings)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    session.start()
+    try:
+        sys.argv = [os.fspath(script), *args]
+        sys.path[0:1] = [os.path.dirname(path) if os.path.isfile(path) else path]
+        result = runpy.run_path(path, run_name="__main__")
+    except BaseException:
+        _restore(saved_argv, saved_path)
+        try:
+            session.stop()
+        except Exception:  # the script's own error is the one to report
+            log.exception("amp_patch: cleaning up after the script failed")
+        raise
+    _restore(saved_argv, saved_path)
+    session.stop()
+    return result
+
+
+def _restore(argv: List[str], path: List[str]) -> None:
+    sys.argv = argv
+    sys.path[:] = path

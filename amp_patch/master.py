@@ -1,0 +1,214 @@
+"""FP32 master weights for the optimizer of a half-precision model (O2/O5).
+
+The model keeps its ``nn.Parameter`` objects, now holding half data; the
+optimizer's ``param_groups`` hold FP32 *masters* in their place, and the
+optimizer state moves with them. A master is built on the parameter's original
+FP32 storage, so creating it copies nothing and loses nothing to rounding.
+
+Gradients flow half model -> FP32 masters: ``absorb`` copies the model's half
+gradients into one persistent FP32 buffer per master (reused every step, so no
+allocation on the hot path), where the loss scaler unscales and checks them in
+place, and drops the half gradients so the next backward starts fresh (autograd
+then adopts its own result instead of adding into an old buffer). A second
+backward before the step adds into the masters' gradients, so accumulation
+happens in FP32. After the optimizer steps the masters, ``refresh`` copies
+them into the half model. Both run as one multi-tensor (``torch._foreach_*``)
+call, never as a Python loop of tensor ops per parameter.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from ._cast import LOW
+
+Tensor = torch.Tensor
+f32 = torch.float32
+
+
+def _state_to(state: Dict[str, Any], dtype: torch.dtype) -> Dict[str, Any]:
+    """Optimizer state of one parameter with its floating tensors in ``dtype``.
+
+    ``step`` stays as it is, as ``Optimizer.load_state_dict`` leaves it.
+    """
+    out = {}
+    for k, v in state.items():
+        if k != "step" and isinstance(v, Tensor) and v.is_floating_point() and v.dtype != dtype:
+            v = v.to(dtype)
+        out[k] = v
+    return out
+
+
+class MasterWeights:
+    """The FP32 masters of one optimizer and the half parameters they back.
+
+    Lists are index-aligned: ``halfs[i]`` is the model's parameter,
+    ``masters[i]`` its FP32 master in the optimizer, ``grads[i]`` the master's
+    persistent gradient buffer (allocated on first use).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.halfs: List[Tensor] = []
+        self.masters: List[Tensor] = []
+        self.grads: List[Optional[Tensor]] = []
+        self.dtypes: List[torch.dtype] = []  # each half parameter's dtype before initialize
+        self.index: Dict[int, int] = {}  # id(half or master) -> i
+        #: the masters' gradients already hold part of this step's sum
+        self.carried = False
+
+    def __len__(self) -> int:
+        return len(self.halfs)
+
+    # ------------------------------------------------------------ building
+
+    def adopt(self, group: Dict[str, Any], originals: Dict[int, Tuple[Tensor, Optional[Tensor], torch.dtype]]) -> None:
+        """Put masters in place of the half parameters of one param group."""
+        opt = self.optimizer
+        params = group["params"]
+        for j, p in enumerate(params):
+            if p.dtype not in LOW:
+                continue  # an FP32 parameter (kept batchnorm, keep_fp32) is its own master
+            orig = originals.get(id(p))
+            if orig is not None:  # converted just now: build on the values from before the cast
+                data, grad, dtype = orig
+                data = data if data.dtype == f32 else data.float()
+            else:  # half before initialize, or added after it: upcast (exact)
+                data, grad, dtype = p.detach().float(), None, p.dtype
+            master = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            if grad is not None:
+                master.grad = grad if grad.dtype == f32 else grad.float()
+            if p in opt.state:
+                opt.state[master] = _state_to(opt.state.pop(p), f32)
+            params[j] = master
+            i = len(self.halfs)
+            self.halfs.append(p)
+            self.masters.append(master)
+            self.grads.append(master.grad)
+            self.dtypes.append(dtype)
+            self.index[id(p)] = i
+            self.index[id(master)] = i
+
+    def master_of(self, param: Tensor) -> Optional[Tensor]:
+        i = self.index.get(id(param))
+        if i is not None and self.halfs[i] is param:
+            return self.masters[i]
+        return None
+
+    def is_master(self, param: Tensor) -> bool:
+        i = self.index.get(id(param))
+        return i is not None and self.masters[i] is param
+
+    # ------------------------------------------------------------ per step
+
+    def absorb(self, unscale: Optional[Callable[[List[Tensor]], None]]) -> None:
+        """Move the half gradients into the masters' FP32 gradients.
+
+        ``unscale(tensors)`` unscales and checks FP32 tensors in place (the
+        loss scaler's fused op); ``None`` when the loss is not scaled.
+        """
+        halfs, masters = self.halfs, self.masters
+        idx = [i for i, h in enumerate(halfs) if h.grad is not None]
+        if not idx:
+            return
+        incoming = [halfs[i].grad for i in idx]
+        if not self.carried:
+            bufs = [self._buffer(i) for i in idx]
+            torch._foreach_copy_(bufs, incoming)
+            if unscale is not None:
+                unscale(bufs)
+            has = set(idx)
+            for i, m in enumerate(masters):
+                # a master whose half got no gradient this step must not step on an old one
+                m.grad = self.grads[i] if i in has else None
+        else:
+            if unscale is not None:
+                incoming = [g.float() for g in incoming]
+                unscale(incoming)
+            for i in idx:
+                if masters[i].grad is None:
+                    masters[i].grad = self._buffer(i).zero_()
+            torch._foreach_add_([masters[i].grad for i in idx], incoming)
+        for i in idx:
+            halfs[i].grad = None
+        self.carried = True
+
+    def _buffer(self, i: int) -> Tensor:
+        buf = self.grads[i]
+        if buf is None:
+            buf = self.grads[i] = torch.empty_like(self.masters[i], memory_format=torch.preserve_format)
+        return buf
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the masters into the half model after a step (one multi-tensor copy)."""
+        if self.halfs:
+            torch._foreach_copy_(self.halfs, self.masters)
+
+    def zero_model_grads(self, set_to_none: bool) -> None:
+        """Clear the half parameters' gradients (the optimizer clears the masters')."""
+        for h in self.halfs:
+            if h.grad is not None:
+                if set_to_none:
+                    h.grad = None
+                else:  # as Optimizer.zero_grad does it
+                    g = h.grad
+                    if g.grad_fn is not None:
+                        g.detach_()
+                    else:
+                        g.requires_grad_(False)
+                    g.zero_()
+        self.carried = False
+
+    def add_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """A param group for ``add_param_group`` with masters for its half parameters."""
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:
+            if self.master_of(p) is not None:
+                raise ValueError(
+                    "some parameters appear in more than one parameter group: a parameter of "
+                    "add_param_group already has an FP32 master in this optimizer"
+                )
+        group = dict(group, params=params)
+        self.adopt(group, {})
+        return group
+
+    # ------------------------------------------------------------ undo
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Give the model's parameters back to the optimizer, holding the masters' values."""
+        opt = self.optimizer
+        where = {id(p): (g, j) for g in opt.param_groups for j, p in enumerate(g["params"])}
+        for h, m, dtype in zip(self.halfs, self.masters, self.dtypes):
+            h.grad = None
+            h.data = m.data if dtype == f32 else m.data.to(dtype)
+            if m.grad is not None:
+                h.grad = m.grad if dtype == f32 else m.grad.to(dtype)
+            loc = where.get(id(m))
+            if loc is not None:
+                loc[0]["params"][loc[1]] = h
+            if m in opt.state:
+                opt.state[h] = _state_to(opt.state.pop(m), dtype)
+        self.halfs, self.masters, self.grads, self.dtypes, self.index = [], [], [], [], {}
+
+
+def lookup(amp: Any, param: Tensor) -> Optional[Tensor]:
+    """The FP32 master of a model parameter in the running AMP state, or None."""
+    if amp is None:
+        return None
+    for h in amp.optimizer_handles.values():
+        mw = h.masters
+        if mw is not None:
+            m = mw.master_of(param)
+            if m is not None:
+                return m
+    return None
+
+
+def params_of(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+    """Every parameter the optimizer steps, in ``param_groups`` order."""
+    for group in optimizer.param_groups:
+        yield from group["params"]

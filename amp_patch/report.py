@@ -1,0 +1,348 @@
+"""Reading what AMP did: ``report()``, ``reset_stats()`` and ``plot()``.
+
+``report()`` gathers the op ledger (``collect_stats=True``), every loss
+scaler's history of ``(step, scale, skipped)`` and the last overflow
+provenance into one ``Report``: ``str()`` is a table for people,
+``to_dict()`` the same for programs. ``plot(path)`` draws the loss-scale
+histories with matplotlib, the optional extra ``amp_patch[plot]``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import _state
+from .errors import StateError
+from .stats import dtype_name
+
+POLICY_ORDER = ("half", "float", "promote", "sequence_promote")
+
+History = List[Tuple[int, float, bool]]
+
+
+def _current(what: str) -> Any:
+    amp = _state.current()
+    if amp is None:
+        raise StateError(
+            f"amp_patch.{what}() needs a running AMP: call it after amp_patch.initialize(...) "
+            f"and before amp_patch.deinitialize()"
+        )
+    return amp
+
+
+def read_history(scaler: Any) -> Optional[History]:
+    """A scaler's ``history`` as ``[(step, scale, skipped), ...]``, or None.
+
+    Read defensively: entries of another shape are left out, and a scaler
+    without a ``history`` gives None.
+    """
+    raw = getattr(scaler, "history", None)
+    if raw is None:
+        return None
+    rows: History = []
+    for item in list(raw):
+        try:
+            if isinstance(item, (tuple, list)):
+                step, scale, skipped = item[0], item[1], item[2]
+            else:
+                step, scale, skipped = item.step, item.scale, item.skipped
+            rows.append((int(step), float(scale), bool(skipped)))
+        except (AttributeError, IndexError, TypeError, ValueError):
+            continue
+    return rows
+
+
+def scale_histories(amp: Any) -> List[Tuple[int, History]]:
+    """``(loss_id, [(step, scale, skipped), ...])`` for every loss scaler."""
+    return [(loss_id, rows) for loss_id, rows, _ in _scalers(amp)]
+
+
+def _scalers(amp: Any) -> List[Tuple[int, History, Optional[float]]]:
+    """``(loss_id, history, current scale or None)`` for every loss scaler."""
+    out = []
+    for i, scaler in enumerate(getattr(amp, "scalers", None) or ()):
+        loss_id = getattr(scaler, "loss_id", i)
+        scale = getattr(scaler, "scale", None)
+        scale = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
+        out.append((loss_id if isinstance(loss_id, int) else i, read_history(scaler) or [], scale))
+    return out
+
+
+def _scale_summary(loss_id: int, rows: History, now: Optional[float]) -> Dict[str, Any]:
+    scales = [s for _, s, _ in rows]
+    skipped = [step for step, _, sk in rows if sk]
+    return {
+        "loss_id": loss_id,
+        "steps": len(rows),
+        "skipped": len(skipped),
+        "skipped_steps": skipped,
+        "scale": now if now is not None else (scales[-1] if scales else None),
+        "min_scale": min(scales) if scales else None,
+        "max_scale": max(scales) if scales else None,
+        "history": [list(r) for r in rows],
+    }
+
+
+class Report:
+    """What one AMP run did, as a table (``str()``) or a dict (``to_dict()``).
+
+    Attributes:
+        opt_level, half_dtype, device: the run's settings.
+        ops: ``{qualname: {policy, calls, dtypes, casts, bytes_cast,
+            first_call_site}}``, empty unless ``collect_stats=True``.
+        unlisted: ``{qualname: {calls, first_call_site}}``: ops no list covers
+            that ran in FP32 on inputs that could have been half.
+        loss_scale: one summary per loss scaler, with its history.
+        overflow: the last overflow provenance (``find_overflow``), or None.
+    """
+
+    def __init__(self, opt_level: str, half_dtype: str, device: str, collecting: bool,
+                 ledger: Dict[str, Any], loss_scale: List[Dict[str, Any]], overflow: Optional[Any]):
+        self.opt_level = opt_level
+        self.half_dtype = half_dtype
+        self.device = device
+        self.collecting = collecting
+        self.ops: Dict[str, Dict[str, Any]] = ledger.get("ops", {})
+        self.unlisted: Dict[str, Dict[str, Any]] = ledger.get("unlisted", {})
+        self.loss_scale = loss_scale
+        self.overflow = overflow
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Everything in the report as plain Python values (JSON-ready)."""
+        return {
+            "opt_level": self.opt_level,
+            "half_dtype": self.half_dtype,
+            "device": self.device,
+            "collect_stats": self.collecting,
+            "ops": self.ops,
+            "unlisted": self.unlisted,
+            "loss_scale": self.loss_scale,
+            "overflow": None if self.overflow is None else self.overflow.to_dict(),
+        }
+
+    def __str__(self) -> str:
+        lines = [f"amp_patch report: {self.opt_level}, half dtype {self.half_dtype}, {self.device}"]
+        lines += self._ops_lines()
+        lines += self._scale_lines()
+        if self.overflow is not None:
+            lines.append("last overflow:")
+            lines += ["  " + line for line in str(self.overflow).splitlines()]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        calls = sum(o["calls"] for o in self.ops.values())
+        return f"<amp_patch Report {self.opt_level} {self.half_dtype}: {len(self.ops)} ops, {calls} calls>"
+
+    def _ops_lines(self) -> List[str]:
+        if not self.collecting:
+            return ["ops: not recorded; initialize(..., collect_stats=True) records them"]
+        total = sum(o["calls"] for o in self.ops.values())
+        lines = [f"ops: {len(self.ops)} patched ops, {total} calls"]
+        groups: Dict[str, List[Tuple[str, Dict[str, Any]]]] = {}
+        for q, o in self.ops.items():
+            groups.setdefault(o["policy"], []).append((q, o))
+        order = [p for p in POLICY_ORDER if p in groups] + sorted(p for p in groups if p not in POLICY_ORDER)
+        head = ("op", "calls", "ran in", "casts", "bytes cast", "first call site")
+        body: List[Tuple[str, ...]] = []
+        for policy in order:
+            body.append((f"policy {policy}:",))
+            for q, o in sorted(groups[policy], key=lambda qo: (-qo[1]["calls"], qo[0])):
+                body.append((
+                    "  " + q, str(o["calls"]), _dtypes_text(o["dtypes"]), str(o["casts"]),
+                    _bytes_text(o["bytes_cast"]), _site_text(o["first_call_site"]),
+                ))
+        lines += ["  " + r for r in _table(head, body, right=(1, 3, 4))]
+        if self.unlisted:
+            lines.append(
+                f"unlisted ops seen (ran in float32 on inputs that could be {self.half_dtype}; "
+                f"no list covers them, a YAML override can):"
+            )
+            rows = sorted(self.unlisted.items(), key=lambda qo: (-qo[1]["calls"], qo[0]))
+            body = [(q, str(o["calls"]), _site_text(o["first_call_site"])) for q, o in rows]
+            lines += ["  " + r for r in _table(("op", "calls", "first call site"), body, right=(1,))]
+        else:
+            lines.append("unlisted ops seen: none")
+        return lines
+
+    def _scale_lines(self) -> List[str]:
+        if not self.loss_scale:
+            return ["loss scale: no scaler"]
+        lines = ["loss scale:"]
+        for s in self.loss_scale:
+            if not s["steps"]:
+                lines.append(f"  loss {s['loss_id']}: no steps recorded; scale {_num(s['scale'])}")
+                continue
+            skipped = s["skipped_steps"]
+            where = ""
+            if skipped:
+                shown = ", ".join(str(x) for x in skipped[:8]) + (", ..." if len(skipped) > 8 else "")
+                where = f" (step {shown})"
+            lines.append(
+                f"  loss {s['loss_id']}: {s['steps']} steps, {s['skipped']} skipped{where}; "
+                f"scale {_num(s['scale'])} now (min {_num(s['min_scale'])}, max {_num(s['max_scale'])})"
+            )
+        return lines
+
+
+def _num(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:g}"
+
+
+def _dtypes_text(dtypes: Dict[str, int]) -> str:
+    if len(dtypes) == 1:
+        return next(iter(dtypes))
+    return ", ".join(f"{k} ({v})" for k, v in sorted(dtypes.items(), key=lambda kv: -kv[1]))
+
+
+def _bytes_text(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _site_text(site: str) -> str:
+    path, sep, line = site.rpartition(":")
+    if not sep:
+        return site
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        rel = path
+    return f"{rel if not rel.startswith('..') else path}:{line}"
+
+
+def _table(head: Tuple[str, ...], rows: List[Tuple[str, ...]], right: Tuple[int, ...] = ()) -> List[str]:
+    """Aligned columns; a one-cell row is a group title and spans the table."""
+    full = [r for r in [head, *rows] if len(r) == len(head)]
+    widths = [max(len(r[i]) for r in full) for i in range(len(head))]
+
+    def fmt(r: Tuple[str, ...]) -> str:
+        if len(r) != len(head):
+            return r[0]
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        return "  ".join(cells).rstrip()
+
+    return [fmt(head)] + [fmt(r) for r in rows]
+
+
+def report() -> Report:
+    """What the running AMP did: per-op ledger, loss-scale history, overflows.
+
+    The op table needs ``initialize(..., collect_stats=True)``; the loss-scale
+    summary and the last overflow provenance are always there.
+
+    Returns:
+        a ``Report``: ``print()`` it for a table (ops grouped by policy, most
+        called first; unlisted ops seen; loss scale per loss), or call
+        ``.to_dict()`` for plain values.
+
+    Raises:
+        StateError: amp_patch is not initialized.
+
+    Example::
+
+        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O1", collect_stats=True)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        print(amp_patch.report())
+        calls = amp_patch.report().to_dict()["ops"]["torch.nn.functional.linear"]["calls"]
+    """
+    from . import diagnostics
+
+    amp = _current("report")
+    ledger = amp.ledger.to_dict() if amp.ledger is not None else {}
+    props = amp.props
+    return Report(
+        opt_level=props.opt_level,
+        half_dtype=dtype_name(props.half_dtype),
+        device=amp.device_type,
+        collecting=amp.ledger is not None,
+        ledger=ledger,
+        loss_scale=[_scale_summary(*s) for s in _scalers(amp)],
+        overflow=diagnostics.last_overflow(amp),
+    )
+
+
+def reset_stats() -> None:
+    """Clear the op ledger (calls, casts, unlisted ops) of the running AMP.
+
+    Raises:
+        StateError: amp_patch is not initialized with ``collect_stats=True``.
+
+    Example::
+
+        amp_patch.initialize(model, optimizer, opt_level="O1", collect_stats=True)
+        train_one_epoch()          # warm-up
+        amp_patch.reset_stats()
+        train_one_epoch()
+        print(amp_patch.report())  # the second epoch only
+    """
+    amp = _current("reset_stats")
+    if amp.ledger is None:
+        raise StateError(
+            "amp_patch.reset_stats() has no op ledger to clear: collect_stats is off. "
+            "Pass collect_stats=True to amp_patch.initialize to record ops."
+        )
+    amp.ledger.reset()
+
+
+PLOT_EXTRA_HINT = "pip install 'amp_patch[plot]'"
+
+
+def plot(path: "str | os.PathLike[str]") -> str:
+    """Write a PNG of each loss scaler's scale and skipped steps over steps.
+
+    Args:
+        path: where to write the PNG.
+
+    Returns:
+        the path written, as a string.
+
+    Raises:
+        ImportError: matplotlib is missing (``pip install 'amp_patch[plot]'``).
+        StateError: amp_patch is not initialized, or no scaler has a step yet.
+
+    Example::
+
+        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O1")
+        train()
+        amp_patch.plot("loss_scale.png")
+    """
+    amp = _current("plot")
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError(
+            f"amp_patch.plot() draws with matplotlib, which is not installed; install the extra: {PLOT_EXTRA_HINT}"
+        ) from None
+    histories = [(i, rows) for i, rows in scale_histories(amp) if rows]
+    if not histories:
+        raise StateError(
+            "amp_patch.plot() found no loss-scale history yet: call it after some optimizer steps "
+            "(each step adds a point)"
+        )
+    # Figure + Agg canvas rather than pyplot: no global backend or figure state.
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": (3, 1)})
+    for loss_id, rows in histories:
+        steps = [r[0] for r in rows]
+        line = top.step(steps, [r[1] for r in rows], where="post", label=f"loss {loss_id}")[0]
+        skipped = [(s, sc) for s, sc, sk in rows if sk]
+        if skipped:
+            top.plot(*zip(*skipped), "x", color=line.get_color(), label=f"loss {loss_id}: skipped")
+            bottom.vlines([s for s, _ in skipped], 0, 1, color=line.get_color(), label=f"loss {loss_id}")
+    top.set_yscale("log", base=2)
+    top.set_ylabel("loss scale")
+    top.set_title(f"amp_patch loss scale ({amp.props.opt_level}, {dtype_name(amp.props.half_dtype)})")
+    top.legend(loc="best", fontsize="small")
+    bottom.set_yticks([])
+    bottom.set_ylabel("skipped")
+    bottom.set_xlabel("step")
+    fig.savefig(os.fspath(path), format="png")
+    return os.fspath(path)

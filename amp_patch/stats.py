@@ -1,0 +1,172 @@
+"""The op ledger: what the patched ops did, while ``collect_stats=True``.
+
+With ``initialize(..., collect_stats=True)`` every casting wrapper calls
+``Ledger.record`` after its op ran (``wrappers._instrumented``); with it off
+the wrappers hold no ledger and pay nothing. Per op the ledger keeps the
+calls, the dtypes the op ran in (read from its output), the casts inserted and
+the bytes they copied, and the first call site in user code.
+
+It also watches the calls no list covers, through the watching mode of
+``_modes``: an op that ran in FP32 on inputs that could have been cast to the
+half dtype is an "unlisted op seen", a candidate for a YAML override. Only
+calls made while autograd records are counted (the forward pass): the
+optimizer step and the loss scaler work in FP32 under ``no_grad`` by design,
+and listing them would bury the ops worth moving.
+
+Cost when on: a lock and a few dict updates per patched call, and every torch
+call (patched or not) goes through one Python-level ``TorchFunctionMode``.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import _modes, _state
+from ._cast import needs_cast
+from .wrappers import is_inplace, switch
+
+f32 = torch.float32
+
+#: unlisted ops that move or reshape data rather than compute: FP32 in, FP32
+#: out is their nature, not a missed cast.
+DATA_MOVEMENT = frozenset(
+    """to type float double half bfloat16 clone contiguous detach cpu cuda
+    zeros_like ones_like empty_like full_like rand_like randn_like new_zeros
+    new_ones new_empty new_full new_tensor __getitem__ __setitem__ __deepcopy__
+    __reduce_ex__ __format__ __repr__ numpy tolist item""".split()
+)
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> str:
+    return "-" if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _dtype_of(out: Any) -> Optional[torch.dtype]:
+    """The dtype an op ran in, read from its (first tensor) output."""
+    if isinstance(out, torch.Tensor):
+        return out.dtype
+    if isinstance(out, (tuple, list)):
+        for x in out:
+            if isinstance(x, torch.Tensor):
+                return x.dtype
+    return None
+
+
+class OpStats:
+    """What one patched op did."""
+
+    __slots__ = ("policy", "calls", "dtypes", "casts", "bytes_cast", "site")
+
+    def __init__(self, policy: str, site: str):
+        self.policy = policy
+        self.calls = 0
+        self.dtypes: Dict[Optional[torch.dtype], int] = {}
+        self.casts = 0
+        self.bytes_cast = 0
+        self.site = site
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "calls": self.calls,
+            "dtypes": {dtype_name(k): v for k, v in self.dtypes.items()},
+            "casts": self.casts,
+            "bytes_cast": self.bytes_cast,
+            "first_call_site": self.site,
+        }
+
+
+class Ledger:
+    """Per-op statistics of one AMP run (``initialize(..., collect_stats=True)``).
+
+    Thread-safe. Read it through ``amp_patch.report()``; clear it with
+    ``amp_patch.reset_stats()``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ops: Dict[str, OpStats] = {}
+        self.unlisted: Dict[str, List[Any]] = {}  # qualname -> [calls, first site]
+        self._here = threading.local()
+        self._names: Optional[_modes.OpNames] = None
+
+    # -- called by the wrappers
+    def record(self, qualname: str, policy: str, out: Any, ncasts: int, nbytes: int) -> None:
+        """Count one call of a patched op (called by the casting wrapper)."""
+        if not getattr(self._here, "watching", False):
+            self._watch_here()
+        dtype = _dtype_of(out)
+        with self._lock:
+            s = self.ops.get(qualname)
+            if s is None:
+                s = self.ops[qualname] = OpStats(policy, _modes.user_site())
+            s.calls += 1
+            s.casts += ncasts
+            s.bytes_cast += nbytes
+            s.dtypes[dtype] = s.dtypes.get(dtype, 0) + 1
+
+    def start(self, amp: Any) -> None:
+        """Start watching for unlisted ops on this thread (idempotent).
+
+        ``initialize`` may call it once everything is patched, so the first
+        forward pass is seen whole; otherwise the first patched call on each
+        thread starts it.
+        """
+        with self._lock:
+            first = self._names is None
+            if first:
+                self._names = _modes.OpNames(amp)
+        if first:
+            _modes.add(self._observe)
+            amp.undo_callbacks.append(self.stop)
+        else:
+            _modes.ensure_here()
+        self._here.watching = True
+
+    def _watch_here(self) -> None:
+        # The mode stack is per thread, and the wrappers only exist (and call
+        # this) once the AMP state is current.
+        amp = _state.current()
+        if amp is not None:
+            self.start(amp)
+
+    def stop(self) -> None:
+        """Stop watching unlisted ops (run at ``deinitialize``)."""
+        _modes.remove(self._observe)
+
+    # -- called by the watching mode for every torch call
+    def _observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if not isinstance(out, torch.Tensor) or out.dtype is not f32 or switch.off or not torch.is_grad_enabled():
+            return
+        names = self._names.names(func) if self._names is not None else ()
+        if not names or self._names.covered(names):
+            return
+        name = names[0][1]
+        if name in DATA_MOVEMENT or is_inplace(name) or out._is_view():
+            return
+        half = self._names.amp.props.half_dtype
+        if not (needs_cast(args, half) or needs_cast(kwargs, half)):
+            return
+        q = _modes.qualname(names[0])
+        with self._lock:
+            u = self.unlisted.get(q)
+            if u is None:
+                u = self.unlisted[q] = [0, _modes.user_site()]
+            u[0] += 1
+
+    # -- reading and clearing
+    def to_dict(self) -> Dict[str, Any]:
+        """``{"ops": {qualname: {...}}, "unlisted": {qualname: {...}}}``, a copy."""
+        with self._lock:
+            return {
+                "ops": {q: s.to_dict() for q, s in self.ops.items()},
+                "unlisted": {q: {"calls": c, "first_call_site": site} for q, (c, site) in self.unlisted.items()},
+            }
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
+        with self._lock:
+            self.ops.clear()
+            self.unlisted.clear()

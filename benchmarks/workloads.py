@@ -1,0 +1,163 @@
+"""The benchmark workloads and the precision modes they run under.
+
+Every workload is built from one seed, so every mode trains the same initial
+weights on the same data. A mode turns a fresh copy of the model into a
+``step()`` callable that runs one training step and returns the loss tensor.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_patch
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    model: nn.Module
+    batches: List[tuple]
+    loss_fn: Callable
+    flops_per_step: float  # matmul FLOPs of forward + backward, for MFU
+    lr: float = 1e-3
+
+
+class SimpleNet(nn.Module):
+    """The Paddle AMP tutorial's network: three Linear layers, ReLU between."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear1 = nn.Linear(width, width)
+        self.linear2 = nn.Linear(width, width)
+        self.linear3 = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.linear3(F.relu(self.linear2(F.relu(self.linear1(x)))))
+
+
+class ConvNet(nn.Module):
+    """A small ResNet-style conv net with BatchNorm."""
+
+    def __init__(self, channels: int = 64, classes: int = 10):
+        super().__init__()
+        c = channels
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.block = nn.Sequential(
+            nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+            nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c),
+        )
+        self.down = nn.Sequential(nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(2 * c), nn.ReLU())
+        self.head = nn.Linear(2 * c, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = F.relu(x + self.block(x))
+        x = self.down(x)
+        return self.head(x.mean((2, 3)))
+
+
+class SmallOps(nn.Module):
+    """Overhead-bound: many tiny Linear + LayerNorm + GELU blocks."""
+
+    def __init__(self, width: int = 64, blocks: int = 12):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()) for _ in range(blocks))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.out(x)
+
+
+class Encoder(nn.Module):
+    def __init__(self, d_model=512, heads=8, layers=4, vocab=1000):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def build(name: str, gpu: bool = False, scale: float = 1.0, nbatches: int = 4) -> Workload:
+    """One of: simplenet, transformer, convnet, smallops."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    if name == "simplenet":
+        width, batch = (4096, 512) if gpu else (int(2048 * scale), int(256 * scale) or 8)
+        model = SimpleNet(width)
+        batches = [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)) for _ in range(nbatches)]
+        return Workload(name, model, batches, F.mse_loss, 3 * 6 * batch * width * width, lr=1e-4)
+    if name == "transformer":
+        d, seq, batch, vocab = int(512 * scale) or 64, 128, 8, 1000
+        model = Encoder(d_model=d, vocab=vocab)
+        batches = [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(nbatches)]
+        tokens = batch * seq
+        per_layer = 4 * d * d + 2 * d * 4 * d  # qkv+out projections, MLP
+        attn = 2 * seq * d  # scores and weighted sum per token
+        flops = 6 * tokens * (4 * (per_layer + attn) + d * vocab)
+
+        def ce(out, tgt):
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
+
+        return Workload(name, model, batches, ce, flops)
+    if name == "convnet":
+        batch, c, hw = 32, int(64 * scale) or 8, 32
+        model = ConvNet(c)
+        batches = [(torch.randn(batch, 3, hw, hw, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(nbatches)]
+        convs = (3 * c + 2 * c * c) * 9 * hw * hw + (c * 2 * c) * 9 * (hw // 2) ** 2
+        return Workload(name, model, batches, F.cross_entropy, 6 * batch * convs)
+    if name == "smallops":
+        model = SmallOps()
+        batches = [(torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g)) for _ in range(nbatches)]
+        return Workload(name, model, batches, F.mse_loss, 6 * 32 * (12 * 64 * 64 + 64))
+    raise ValueError(f"unknown workload {name!r}; use simplenet, transformer, convnet or smallops")
+
+
+MODES = ("fp32", "autocast", "O1", "O2", "O3")
+
+
+class Runner:
+    """One workload under one mode: a model copy, its optimizer, ``step()``."""
+
+    def __init__(self, wl: Workload, mode: str, device: str, half: torch.dtype):
+        self.mode, self.device, self.half = mode, device, half
+        self.model = copy.deepcopy(wl.model).to(device)
+        self.batches = [tuple(t.to(device) for t in b) for b in wl.batches]
+        self.loss_fn = wl.loss_fn
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=wl.lr, momentum=0.9)
+        self.i = 0
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        if mode == "autocast" and device == "cuda" and half == torch.float16:
+            self.scaler = torch.amp.GradScaler("cuda")
+        if mode in ("O1", "O2", "O3"):
+            # amp_patch's state is per process: the suite runs each mode in its own.
+            self.model, self.opt = amp_patch.initialize(self.model, self.opt, mode, half_dtype=half, verbosity=0)
+
+    def step(self) -> torch.Tensor:
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        self.opt.zero_grad(set_to_none=True)
+        if self.mode == "autocast":
+            with torch.autocast(self.device, dtype=self.half):
+                loss = self.loss_fn(self.model(x), y)
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            else:
+                loss.backward()
+                self.opt.step()
+            return loss
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss

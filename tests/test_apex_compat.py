@@ -1,0 +1,304 @@
+"""apex.amp compatibility: `from amp_patch import amp` and the `apex` alias."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_patch
+from amp_patch import ConfigError, _state, alias, amp
+
+# apex.amp's public surface (apex/amp/__init__.py) and its signatures.
+APEX_NAMES = (
+    "init", "half_function", "float_function", "promote_function", "register_half_function",
+    "register_float_function", "register_promote_function", "scale_loss", "disable_casts",
+    "initialize", "state_dict", "load_state_dict", "master_params",
+)
+APEX_SIGNATURES = {
+    "initialize": "(models, optimizers=None, enabled=True, opt_level='O1', cast_model_type=None, "
+    "patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None, "
+    "cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=16777216.0)",
+    "scale_loss": "(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False)",
+    "master_params": "(optimizer)",
+    "state_dict": "(destination=None)",
+    "load_state_dict": "(state_dict)",
+    "register_half_function": "(module, name)",
+    "register_float_function": "(module, name)",
+    "register_promote_function": "(module, name)",
+}
+
+
+def unannotated(fn) -> str:
+    sig = inspect.signature(fn)
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
+@pytest.fixture(autouse=True)
+def fresh_apex_flag(monkeypatch):
+    # amp.initialize(enabled=False) is remembered module-wide, as in Apex.
+    monkeypatch.setattr(amp, "_enabled", None)
+
+
+@pytest.fixture
+def net():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step_loss(model):
+    x = torch.randn(5, 4)
+    return F.cross_entropy(model(x).float(), torch.tensor([0, 1, 2, 0, 1]))
+
+
+# ------------------------------------------------------------------ surface
+
+
+def test_every_apex_amp_name_is_there():
+    missing = [n for n in APEX_NAMES if not callable(getattr(amp, n, None))]
+    assert not missing
+
+
+@pytest.mark.parametrize("name", sorted(APEX_SIGNATURES))
+def test_signatures_are_apexs(name):
+    assert unannotated(getattr(amp, name)) == APEX_SIGNATURES[name]
+
+
+def test_registration_and_casting_helpers_are_amp_patchs_own():
+    for name in ("register_half_function", "register_float_function", "register_promote_function",
+                 "half_function", "float_function", "promote_function", "disable_casts"):
+        assert getattr(amp, name) is getattr(amp_patch, name), name
+
+
+def test_old_handle_api_says_what_to_call_instead():
+    with pytest.raises(ConfigError, match=r"amp.init\(\).*amp.initialize\(model, optimizer"):
+        amp.init()
+
+
+# ------------------------------------------------------------ enabled=False
+
+
+def test_enabled_false_is_a_pass_through(net):
+    model, opt = net
+    linear = F.linear
+    out_model, out_opt = amp.initialize(model, opt, enabled=False, opt_level="O1")
+    assert out_model is model and out_opt is opt
+    assert amp.initialize(model, enabled=False) is model
+    assert not amp_patch.is_initialized() and F.linear is linear
+    loss = step_loss(model)
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled is loss
+    assert amp.state_dict() == {}
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 1}})  # ignored, as in Apex
+    assert list(amp.master_params(opt)) == list(model.parameters())
+    assert model[0](torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_initialize_after_enabled_false_enables(net):
+    model, opt = net
+    amp.initialize(model, opt, enabled=False)
+    try:
+        amp.initialize(model, opt, opt_level="O1", verbosity=0)
+        assert amp_patch.is_initialized()
+        assert model(torch.randn(2, 4)).dtype == torch.bfloat16
+    finally:
+        amp_patch.deinitialize()
+
+
+# --------------------------------------------------------------- forwarding
+
+
+def test_apex_property_overrides_reach_amp_patch(net):
+    model, opt = net
+    try:
+        out = amp.initialize(model, opt, opt_level="o1", loss_scale="128.0", patch_torch_functions="True", verbosity=0)
+        assert out == (model, opt)
+        props = _state.current().props
+        assert props.opt_level == "O1" and props.loss_scale == 128.0 and props.patch_torch_functions
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_models_and_optimizers_keep_their_structure(net):
+    model, opt = net
+    try:
+        models, opts = amp.initialize([model], [opt], opt_level="O4", verbosity=0)
+        assert models == [model] and opts == [opt]
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_bad_input_raises_and_leaves_torch_alone(net):
+    model, opt = net
+    linear = F.linear
+    with pytest.raises(ConfigError, match="opt_level='O9' is not an opt level"):
+        amp.initialize(model, opt, opt_level="O9")
+    with pytest.raises(ConfigError, match="loss_scale='huge'"):
+        amp.initialize(model, opt, loss_scale="huge")
+    assert not amp_patch.is_initialized() and F.linear is linear
+
+
+def test_master_params_before_initialize_are_the_optimizers_params(net):
+    model, opt = net
+    assert [id(p) for p in amp.master_params(opt)] == [id(p) for p in model.parameters()]
+
+
+# ----------------------------------------------------- loss scaling, Apex's way
+
+
+@pytest.fixture
+def fp16_o1(net):
+    model, opt = net
+    amp_patch.initialize(model, opt, "O1", half_dtype=torch.float16, num_losses=2, verbosity=0)
+    try:
+        yield model, opt
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_state_dict_is_apexs_format(fp16_o1):
+    sd = amp.state_dict()
+    assert {"loss_scaler0", "loss_scaler1"} <= set(sd)
+    for key in ("loss_scaler0", "loss_scaler1"):
+        assert float(sd[key]["loss_scale"]) == 2.0**16  # Apex's initial dynamic scale
+        assert int(sd[key]["unskipped"]) == 0
+
+
+def test_scale_loss_scales_and_counts_an_unskipped_step(fp16_o1):
+    model, opt = fp16_o1
+    loss = step_loss(model)
+    with amp.scale_loss(loss, opt) as scaled:
+        assert torch.equal(scaled, loss.float() * 2.0**16)
+        scaled.backward()
+    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), max_norm=1.0)
+    opt.step()
+    assert int(amp.state_dict()["loss_scaler0"]["unskipped"]) == 1
+
+
+def test_an_apex_checkpoint_loads(fp16_o1):
+    model, opt = fp16_o1
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 5},
+                         "loss_scaler1": {"loss_scale": 64.0, "unskipped": 0}})
+    sd = amp.state_dict()
+    assert float(sd["loss_scaler0"]["loss_scale"]) == 128.0 and int(sd["loss_scaler0"]["unskipped"]) == 5
+    assert float(sd["loss_scaler1"]["loss_scale"]) == 64.0
+    loss = step_loss(model)
+    with amp.scale_loss(loss, opt, loss_id=1) as scaled:
+        assert torch.equal(scaled, loss.float() * 64.0)
+        scaled.backward()
+
+
+def test_editing_the_loss_scale_through_the_state_dict_works(fp16_o1):
+    sd = amp.state_dict()
+    sd["loss_scaler0"]["loss_scale"] = 1024.0
+    amp.load_state_dict(sd)
+    assert float(amp.state_dict()["loss_scaler0"]["loss_scale"]) == 1024.0
+
+
+def test_state_dict_fills_a_given_destination(fp16_o1):
+    dest = {"mine": 1}
+    assert amp.state_dict(dest) is dest and dest["mine"] == 1 and "loss_scaler0" in dest
+
+
+# -------------------------------------------------------------------- alias
+
+
+@pytest.fixture
+def clean_apex(monkeypatch, caplog):
+    """No apex anywhere before and after; the 'says so once' flag reset."""
+    monkeypatch.setattr(alias, "_announced", False)
+    saved_path, saved_meta = list(sys.path), list(sys.meta_path)
+    for name in [m for m in sys.modules if m == "apex" or m.startswith("apex.")]:
+        monkeypatch.delitem(sys.modules, name)
+    caplog.set_level(logging.INFO, logger="amp_patch")
+    yield caplog
+    alias.remove_apex_alias()
+    for name in [m for m in sys.modules if m == "apex" or m.startswith("apex.")]:
+        del sys.modules[name]
+    sys.path[:] = saved_path
+    sys.meta_path[:] = saved_meta
+    importlib.invalidate_caches()
+
+
+def announcements(caplog):
+    return [r for r in caplog.records if "resolves to amp_patch.amp" in r.getMessage()]
+
+
+def test_alias_serves_apex_amp_when_apex_is_absent(clean_apex):
+    assert amp_patch.install_apex_alias() is True
+    assert amp_patch.install_apex_alias() is True  # harmless twice
+    assert "apex" not in sys.modules  # nothing imported until the script asks
+    import apex
+    from apex import amp as apex_amp
+    import apex.amp
+
+    assert apex_amp is amp and apex.amp is amp and sys.modules["apex.amp"] is amp
+    assert apex.amp.scale_loss is amp.scale_loss
+    assert amp.__spec__.name == "amp_patch.amp"
+    assert len(announcements(clean_apex)) == 1
+
+
+def test_alias_names_the_replacement_of_other_apex_modules(clean_apex):
+    amp_patch.install_apex_alias()
+    with pytest.raises(ModuleNotFoundError, match=r"apex.parallel.*torch.nn.parallel.DistributedDataParallel"):
+        import apex.parallel  # noqa: F401
+    with pytest.raises(ImportError, match=r"apex.optimizers.*AdamW\(\.\.\., fused=True\)"):
+        from apex.optimizers import FusedAdam  # noqa: F401
+    import apex
+
+    with pytest.raises(AttributeError, match=r"normalization.*torch.nn.LayerNorm"):
+        apex.normalization
+
+
+def test_removing_the_alias_leaves_no_apex(clean_apex):
+    amp_patch.install_apex_alias()
+    import apex.amp  # noqa: F401
+
+    alias.remove_apex_alias()
+    assert "apex" not in sys.modules and "apex.amp" not in sys.modules
+    assert importlib.util.find_spec("apex") is None
+    assert not alias.is_installed()
+
+
+def test_a_real_apex_amp_is_left_in_charge(clean_apex, tmp_path):
+    pkg = tmp_path / "apex"
+    (pkg / "amp").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "amp" / "__init__.py").write_text("REAL = True\n")
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    assert amp_patch.install_apex_alias() is False
+    from apex import amp as apex_amp
+
+    assert apex_amp is not amp and apex_amp.REAL
+    assert not announcements(clean_apex)
+
+
+def test_an_apex_without_amp_keeps_its_kernels_and_gains_amp(clean_apex, tmp_path):
+    pkg = tmp_path / "apex"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("KERNELS = 'fused'\n")
+    (pkg / "optimizers.py").write_text(textwrap.dedent("""
+        class FusedAdam:
+            pass
+    """))
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    assert amp_patch.install_apex_alias() is True
+    import apex
+    from apex import amp as apex_amp
+    from apex.optimizers import FusedAdam
+
+    assert apex.KERNELS == "fused" and FusedAdam.__module__ == "apex.optimizers"
+    assert apex_amp is amp and apex.amp is amp
+    assert len(announcements(clean_apex)) == 1
+    alias.remove_apex_alias()
+    assert "amp" not in vars(apex)

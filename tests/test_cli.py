@@ -1,0 +1,346 @@
+"""The amp-patch command: run, lists, check, demo. In process where that
+suffices; the end-to-end runs of unmodified scripts are in subprocesses
+(marked slow: each starts Python and imports torch)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import amp_patch
+from amp_patch import cli, oplists, scaling
+
+SCRIPTS = Path(__file__).parent / "scripts"
+REPO = Path(__file__).parent.parent
+ENV = ("AMP_PATCH_OPT_LEVEL", "AMP_PATCH_HALF_DTYPE", "AMP_PATCH_LOSS_SCALE", "AMP_PATCH_LISTS")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def marker_script(tmp_path):
+    """A script that leaves a file behind if it ever starts."""
+    marker = tmp_path / "started"
+    script = tmp_path / "script.py"
+    script.write_text(f"open({str(marker)!r}, 'w').write('yes')\n")
+    return script, marker
+
+
+def write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+# ----------------------------------------------------------- run: bad input
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["run"], "the script to run is missing"),
+        (["run", "--opt-level", "O7", "{script}"], "--opt-level='O7' is not an opt level"),
+        (["run", "--half-dtype", "float64", "{script}"], "--half-dtype='float64' is not supported"),
+        (["run", "--loss-scale", "0", "{script}"], "--loss-scale='0' is not a loss scale"),
+        (["run", "--bogus", "{script}"], "unrecognized arguments: --bogus"),
+        (["run", "--opt", "O1", "{script}"], "unrecognized arguments: --opt"),  # no abbreviations
+        (["run", "--lists", "{missing}", "{script}"], "missing.yaml: no such op-list file"),
+        (["run", "{missing_script}"], "script '{missing_script}' does not exist"),
+    ],
+)
+def test_bad_run_input_exits_2_without_starting_the_script(capsys, marker_script, tmp_path, argv, message):
+    script, marker = marker_script
+    subs = {"script": str(script), "missing": str(tmp_path / "missing.yaml"), "missing_script": str(tmp_path / "gone.py")}
+    argv = [a.format(**subs) for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message.format(**subs) in err and "usage: amp-patch run" in err
+    assert not marker.exists() and not amp_patch.is_initialized()
+
+
+def test_bad_lists_file_content_exits_2_with_file_and_line(capsys, marker_script, tmp_path):
+    script, marker = marker_script
+    bad = write(tmp_path, "bad.yaml", "torch:\n  half: [mm]\n  flaot: [cumsum]\n")
+    assert cli.main(["run", "--lists", str(bad), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:3: torch.flaot is not a policy; did you mean 'float'?" in err
+    assert not marker.exists()
+
+
+def test_bad_environment_variable_exits_2_naming_it(capsys, marker_script, monkeypatch):
+    script, marker = marker_script
+    monkeypatch.setenv("AMP_PATCH_OPT_LEVEL", "O6")
+    assert cli.main(["run", str(script)]) == 2
+    assert "AMP_PATCH_OPT_LEVEL='O6' is not an opt level" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_run_help_exits_0(capsys):
+    assert cli.main(["run", "--help"]) == 0
+    assert "--opt-level" in capsys.readouterr().out
+
+
+def test_no_subcommand_prints_help_and_exits_2(capsys):
+    assert cli.main([]) == 2
+    assert "{run,lists,check,demo}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------ run: pass-through
+
+
+def test_script_arguments_reach_the_script_exactly(tmp_path, capsys):
+    script = write(tmp_path, "echo.py", "import sys, json\nprint(json.dumps(sys.argv[1:]))\n")
+    args = ["--opt-level", "O3", "--", "-x", "--lists", "a b"]
+    assert cli.main(["run", "--opt-level", "O0", str(script), *args]) == 0
+    assert json.loads(capsys.readouterr().out) == args
+
+
+def test_run_double_dash_separates_the_script(tmp_path, capsys):
+    script = write(tmp_path, "echo.py", "import sys, json\nprint(json.dumps(sys.argv[1:]))\n")
+    assert cli.main(["run", "--opt-level", "O0", "--", str(script), "--", "z"]) == 0
+    assert json.loads(capsys.readouterr().out) == ["--", "z"]
+
+
+def test_script_exit_code_passes_through(tmp_path):
+    script = write(tmp_path, "leave.py", "import sys\nsys.exit(7)\n")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--opt-level", "O0", str(script)])
+    assert info.value.code == 7
+    text = write(tmp_path, "leave_text.py", "import sys\nsys.exit('fatal: bad data')\n")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--opt-level", "O0", str(text)])
+    assert info.value.code == "fatal: bad data"
+
+
+def test_script_traceback_is_printed_as_python_prints_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(scaling, "adopt_optimizer", lambda opt: None, raising=False)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    script = write(tmp_path, "fails.py", """\
+        def helper():
+            raise KeyError("missing column")
+
+        helper()
+    """)
+    assert cli.main(["run", str(script)]) == 1
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[1] == f'  File "{script}", line 4, in <module>'
+    assert lines[-1] == "KeyError: 'missing column'"
+    assert "runpy" not in err and "launcher.py" not in err and "cli.py" not in err
+    assert not amp_patch.is_initialized()
+
+
+# --------------------------------------------------------------------- lists
+
+
+def test_lists_table_shows_every_effective_op_with_its_source(capsys):
+    assert cli.main(["lists", "--half-dtype", "bfloat16", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {tuple(line.split()[:2]): line.split() for line in out if not line.startswith(("#", "namespace", "-"))}
+    expected = oplists.load().resolve(torch.bfloat16, "cpu")
+    assert set(rows) == set(expected)
+    for key, entry in expected.items():
+        assert rows[key][2] == entry.policy, key
+        assert rows[key][3:5] == ["default", entry.source], key
+    assert out[0] == f"# effective op policy for bfloat16 on cpu (torch {torch.__version__})"
+
+
+def test_lists_shows_overrides_missing_ops_and_banned_by_dtype(capsys, tmp_path):
+    override = write(tmp_path, "ov.yaml", """\
+        torch.nn.functional:
+          float: [linear]
+          remove: [gelu]
+        torch:
+          half:
+            - name: op_from_the_future
+              optional: true
+    """)
+    assert cli.main(["lists", "--lists", str(override), "--half-dtype", "float16", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    rows = {tuple(line.split()[:2]): line for line in out.splitlines() if not line.startswith("#")}
+    assert rows[("torch.nn.functional", "linear")].split()[2:5] == ["float", "override", f"{override}:2"]
+    assert ("torch.nn.functional", "gelu") not in rows
+    assert "missing from torch" in rows[("torch", "op_from_the_future")]
+    assert rows[("torch.nn.functional", "binary_cross_entropy")].split()[2] == "banned"
+    assert "1 missing from this torch" in out.splitlines()[-1]
+
+
+def test_lists_yaml_is_machine_readable_and_agrees_with_the_loader(capsys):
+    assert cli.main(["lists", "--format", "yaml", "--half-dtype", "bf16", "--device", "cpu"]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["half_dtype"] == "bfloat16" and doc["device"] == "cpu"
+    got = {(ns, op): item for ns, ops in doc["ops"].items() for op, item in ops.items()}
+    expected = oplists.load().resolve(torch.bfloat16, "cpu")
+    assert set(got) == set(expected)
+    assert all(got[k]["policy"] == e.policy and got[k]["source"] == e.source for k, e in expected.items())
+    bce = got[("torch.nn.functional", "binary_cross_entropy")]
+    assert bce["policy"] == "float" and bce["note"] == "banned under float16"
+
+
+def test_lists_honours_the_environment_variable(capsys, tmp_path, monkeypatch):
+    override = write(tmp_path, "env.yaml", "torch:\n  half: [cumsum]\n")
+    monkeypatch.setenv("AMP_PATCH_LISTS", str(override))
+    assert cli.main(["lists", "--device", "cpu"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.split()[:2] == ["torch", "cumsum"])
+    assert line.split()[2:5] == ["half", "override", f"{override}:2"]
+
+
+def test_lists_with_bad_input_exits_2(capsys, tmp_path):
+    assert cli.main(["lists", "--half-dtype", "float64"]) == 2
+    assert "--half-dtype='float64' is not supported" in capsys.readouterr().err
+    assert cli.main(["lists", "--format", "json"]) == 2
+    assert cli.main(["lists", "--lists", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml: no such op-list file" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------- check
+
+
+def test_check_prints_every_problem_with_file_line_and_nearest_name(capsys, tmp_path):
+    bad = write(tmp_path, "bad.yaml", """\
+        torch.nn.functional:
+          float: [linear, sofmax]
+        torch:
+          haf: [mm]
+          half:
+            - name: cumsum
+              wen: {dtype: float16}
+    """)
+    assert cli.main(["check", str(bad)]) == 1
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines == [
+        f"{bad}:2: torch.nn.functional.float[1] 'sofmax' is not in torch.nn.functional; did you mean 'softmax'? "
+        "(mark it 'optional: true' if it exists only in some torch versions)",
+        f"{bad}:4: torch.haf is not a policy; did you mean 'half'? (valid: half, float, promote, sequence_promote, banned, remove)",
+        f"{bad}:6: torch.half[0] has unknown key 'wen'; did you mean 'when'? (valid: name, when, optional, why, fix)",
+    ]
+    assert "3 problems found" in err
+
+
+def test_check_reports_malformed_yaml_with_its_line(capsys, tmp_path):
+    bad = write(tmp_path, "broken.yaml", "torch:\n  half: [mm\n  float: [x]\n")
+    assert cli.main(["check", str(bad)]) == 1
+    assert capsys.readouterr().out.startswith(f"{bad}:")
+
+
+def test_check_a_valid_file_exits_0(capsys, tmp_path):
+    good = write(tmp_path, "good.yaml", "torch.nn.functional:\n  float: [linear]\n  remove: [gelu]\n")
+    assert cli.main(["check", str(good)]) == 0
+    assert capsys.readouterr().out.strip() == f"{good}: no problems"
+
+
+def test_check_a_missing_file_exits_2(capsys, tmp_path):
+    assert cli.main(["check", str(tmp_path / "nope.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def test_demo_dispatches_to_the_demo_module(monkeypatch):
+    calls = []
+    fake = types.ModuleType("amp_patch.demo")
+    fake.main = lambda argv: calls.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "amp_patch.demo", fake)
+    assert cli.main(["demo", "--steps", "5"]) == 3
+    assert calls == [["--steps", "5"]]
+
+
+def test_demo_missing_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "amp_patch.demo", None)  # as if the file were absent
+    assert cli.main(["demo"]) == 2
+    assert "the demo is not part of this installation" in capsys.readouterr().err
+
+
+# --------------------------------------------------- end to end, subprocesses
+
+
+def run_cmd(cmd, tmp_path, timeout=240, **env):
+    full_env = {k: v for k, v in os.environ.items() if k not in ENV}
+    full_env.update(env)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    return subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def results(proc):
+    found = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert found, f"no RESULT line\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level,half", [("O1", "bfloat16"), ("O2", "float16")])
+def test_apex_script_runs_unmodified_under_the_launcher(tmp_path, level, half):
+    ckpt = tmp_path / "ckpt.pt"
+    script = SCRIPTS / "apex_style.py"
+    proc = run_cmd([sys.executable, "-m", "amp_patch", "run", "--half-dtype", half, str(script), str(ckpt), "--opt-level", level], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (r,) = results(proc)
+    # The script's own amp.initialize ran, at its own opt level, in the launcher's dtype.
+    assert r["linear_dtypes"] == {"fc1": f"torch.{half}", "fc2": f"torch.{half}"}
+    assert r["finite"] and r["amp_module"] == "amp_patch.amp"
+    if half == "float16":  # Apex's dynamic scaler: 2**16 to start, 4 clean steps
+        assert r["amp_state"]["loss_scaler0"] == {"loss_scale": 65536.0, "unskipped": 4}
+    else:  # BF16 needs no scaling
+        assert r["amp_state"]["loss_scaler0"]["loss_scale"] == 1.0
+    assert r["reloaded"] and r["weight_dtype"] == "torch.float32"  # checkpoints hold FP32 weights
+    assert proc.stderr.count("resolves to amp_patch.amp") == 1
+
+
+@pytest.mark.slow
+def test_plain_fp32_script_trains_in_fp16_and_keeps_its_exit_code(tmp_path):
+    exe = shutil.which("amp-patch")
+    cmd = [exe] if exe else [sys.executable, "-m", "amp_patch"]
+    script = SCRIPTS / "plain_fp32.py"
+    proc = run_cmd([*cmd, "run", str(script), "--steps", "3", "--exit", "3"], tmp_path, AMP_PATCH_HALF_DTYPE="float16")
+    assert proc.returncode == 3, proc.stderr
+    (r,) = results(proc)
+    assert r["linear_dtypes"] == {"fc1": "torch.float16", "fc2": "torch.float16"}
+    assert r["weight_dtype"] == "torch.float32" and r["grad_dtype"] == "torch.float32"  # O1: FP32 model
+    assert all(abs(v) < 10 for v in r["losses"]) and r["losses"][-1] < r["losses"][0]
+    assert r["name"] == "__main__" and r["file"] == str(script)
+    assert r["argv"][1:] == ["--steps", "3", "--exit", "3"] and r["path0"] == str(SCRIPTS)
+
+
+@pytest.mark.slow
+def test_script_traceback_and_exit_code_pass_through_in_a_subprocess(tmp_path):
+    script = SCRIPTS / "plain_fp32.py"
+    proc = run_cmd([sys.executable, "-m", "amp_patch", "run", str(script), "--steps", "1", "--raise"], tmp_path)
+    plain = run_cmd([sys.executable, str(script), "--steps", "1", "--raise"], tmp_path)
+    assert proc.returncode == plain.returncode == 1
+    tb = proc.stderr[proc.stderr.index("Traceback"):].splitlines()
+    expected = plain.stderr[plain.stderr.index("Traceback"):].splitlines()
+    assert tb == expected  # the same frames, lines and message as `python script.py`
+    assert tb[-1] == "RuntimeError: boom from the training script"
+
+
+@pytest.mark.slow
+def test_torchrun_runs_a_ddp_script_under_the_launcher(tmp_path):
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    proc = run_cmd(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "amp_patch", "run", str(SCRIPTS / "ddp_train.py")],
+        tmp_path, timeout=300, AMP_PATCH_OPT_LEVEL="O1", OMP_NUM_THREADS="1",
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = sorted(results(proc), key=lambda r: r["rank"])
+    assert [r["rank"] for r in found] == [0, 1] and all(r["world"] == 2 for r in found)
+    for r in found:
+        assert set(r["linear_dtypes"].values()) == {"torch.bfloat16"}
+        assert r["ranks_identical"]

@@ -1,0 +1,356 @@
+"""Warnings at initialize, and overflow provenance (find_overflow)."""
+from __future__ import annotations
+
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_patch
+from amp_patch import _modes, _state, diagnostics
+from amp_patch.diagnostics import AmpWarning
+from amp_patch.errors import StateError
+from amp_patch.properties import resolve
+
+f16, bf16 = torch.float16, torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Each warning is given once per process; every test starts afresh."""
+    monkeypatch.setattr(diagnostics, "_warned", set())
+
+
+def _amp_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, AmpWarning)]
+
+
+def _init_and_collect(*args, **kwargs):
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        amp_patch.initialize(*args, **kwargs)
+    return _amp_warnings(rec), rec
+
+
+# ------------------------------------------------------------ warnings at initialize
+
+
+def test_fp16_on_cpu_warns_once_and_points_at_the_callers_line():
+    model = nn.Linear(4, 4)
+    try:
+        msgs, rec = _init_and_collect(model, opt_level="O1", half_dtype=f16)
+    finally:
+        amp_patch.deinitialize()
+    assert msgs == [
+        "amp_patch: O1 runs in float16 on the CPU, where FP16 kernels are few and slower than FP32. "
+        "Use half_dtype=torch.bfloat16 on CPU (the default there), or move the model to a GPU."
+    ]
+    assert rec[0].filename == __file__
+    try:
+        again, _ = _init_and_collect(model, opt_level="O1", half_dtype=f16)
+    finally:
+        amp_patch.deinitialize()
+    assert again == []
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns(monkeypatch):
+    monkeypatch.setattr(diagnostics, "cpu_has_native_bf16", lambda: False)
+    try:
+        msgs, _ = _init_and_collect(nn.Linear(4, 4), opt_level="O1")
+    finally:
+        amp_patch.deinitialize()
+    assert len(msgs) == 1
+    assert "bfloat16 on a CPU without native BF16 instructions" in msgs[0]
+    assert "slower than FP32" in msgs[0] and "opt_level='O0'" in msgs[0]
+
+
+def test_bf16_on_a_cpu_with_native_bf16_is_quiet(monkeypatch):
+    monkeypatch.setattr(diagnostics, "cpu_has_native_bf16", lambda: True)
+    try:
+        msgs, _ = _init_and_collect(nn.Linear(4, 4), opt_level="O1")
+    finally:
+        amp_patch.deinitialize()
+    assert msgs == []
+
+
+def test_o0_never_warns_about_speed():
+    props = resolve("O0", "cpu", f16)
+    assert diagnostics.speed_warnings(props, "cpu", native_bf16=False) == []
+
+
+def test_verbosity_0_is_silent():
+    try:
+        msgs, _ = _init_and_collect(nn.Linear(4, 4), opt_level="O1", half_dtype=f16, verbosity=0)
+    finally:
+        amp_patch.deinitialize()
+    assert msgs == []
+
+
+def test_fp16_over_bf16_weights_on_a_bf16_gpu():
+    props = resolve("O1", "cuda", f16)
+    bf16_model = nn.Linear(4, 4).to(bf16)
+    msgs = diagnostics.bf16_weights_warnings(props, "cuda", True, [nn.Linear(2, 2), bf16_model])
+    assert msgs == [
+        "amp_patch: half_dtype is float16, but model 1 (Linear) has bfloat16 weights and this GPU supports BF16; "
+        "casting them to FP16 loses range (FP16 overflows above 65504) for no gain. "
+        "Use half_dtype=torch.bfloat16 (or opt_level='O4' / 'O5')."
+    ]
+    assert diagnostics.bf16_weights_warnings(props, "cuda", False, [bf16_model]) == []  # no BF16 on this GPU
+    assert diagnostics.bf16_weights_warnings(resolve("O1", "cuda", bf16), "cuda", True, [bf16_model]) == []
+
+
+def test_a_model_on_several_devices():
+    model = nn.Linear(4, 4)
+    model.register_buffer("scale", torch.ones(1, device="meta"))
+    msgs = diagnostics.device_warnings(resolve("O1", "cpu", None), [nn.Linear(2, 2), model])
+    assert len(msgs) == 1
+    assert msgs[0].startswith("amp_patch: model 1 (Linear) has tensors on several devices (cpu, meta)")
+
+
+def test_optimizer_parameters_outside_the_models_warn_at_o1():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    try:
+        msgs, _ = _init_and_collect(a, opt, opt_level="O1", half_dtype=bf16)
+    finally:
+        amp_patch.deinitialize()
+    stray = [m for m in msgs if "optimizer 0" in m]
+    assert stray == [
+        "amp_patch: optimizer 0 (SGD) updates 2 parameter(s) that are in none of the models passed to "
+        "initialize. Pass every model it trains: amp_patch.initialize([model_a, model_b], optimizer, ...)."
+    ]
+    try:
+        msgs, _ = _init_and_collect([a, b], opt, opt_level="O1", half_dtype=bf16)
+    finally:
+        amp_patch.deinitialize()
+    assert not [m for m in msgs if "optimizer 0" in m]
+
+
+def test_functions_captured_before_initialize_are_named(tmp_path, monkeypatch):
+    (tmp_path / "captured_mod.py").write_text(textwrap.dedent("""
+        import torch.nn.functional as F           # a module: fine
+        from torch.nn.functional import linear    # bound before initialize
+        from torch import matmul as mm            # same, under another name
+        from torch.nn.functional import dropout   # not patched: nothing to say
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "captured_mod", raising=False)
+    import captured_mod  # noqa: F401
+
+    try:
+        msgs, _ = _init_and_collect(nn.Linear(4, 4), opt_level="O1", half_dtype=bf16)
+        amp = _state.current()
+        assert not amp.patcher.is_patched(F, "dropout")
+        found = diagnostics.captured_functions(amp)
+    finally:
+        amp_patch.deinitialize()
+        sys.modules.pop("captured_mod", None)
+    assert sorted(f for f in found if f[0] == "captured_mod") == [
+        ("captured_mod", "linear", "torch.nn.functional.linear"),
+        ("captured_mod", "mm", "torch.matmul"),
+    ]
+    assert (
+        "amp_patch: captured_mod.linear is the original torch.nn.functional.linear, bound before "
+        "amp_patch.initialize, so its calls are not cast. Call it through its module at call time "
+        "(torch.nn.functional.linear(...)), or call initialize before importing captured_mod."
+    ) in msgs
+    assert any(m.startswith("amp_patch: captured_mod.mm is the original torch.matmul") for m in msgs)
+    # torch's own modules hold these functions too; only user code is reported
+    assert not any(mod.startswith("torch") for mod, _, _ in found)
+
+
+# ------------------------------------------------------------ overflow provenance
+
+
+class _Scaler:
+    """Stands in for a loss scaler: ``on_skipped_step`` reads its history."""
+
+    def __init__(self):
+        self.history = []
+
+
+def _one_layer(weight: float, bias: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc", nn.Linear(8, 4))
+    with torch.no_grad():
+        model.fc.weight.fill_(weight)
+        model.fc.bias.fill_(bias)
+    return model
+
+
+@pytest.fixture
+def fp16_run(request):
+    """O1 FP16 on CPU (FP16 is where values overflow) with a stand-in scaler."""
+    model = _one_layer(*request.param)
+    amp_patch.initialize(model, opt_level="O1", half_dtype=f16, find_overflow=True, verbosity=0)
+    scaler = _Scaler()
+    amp = _state.current()
+    amp.scalers.append(scaler)
+    try:
+        yield model, amp, scaler
+    finally:
+        amp_patch.deinitialize()
+
+
+def _skip(amp, scaler, step=0):
+    scaler.history.append((step, 65536.0, True))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        prov = diagnostics.on_skipped_step(amp, 0, scaler)
+    return prov, _amp_warnings(rec), rec
+
+
+@pytest.mark.parametrize("fp16_run", [(3000.0,)], indirect=True)
+def test_forward_overflow_names_module_op_dtype_and_the_yaml_fix(fp16_run, tmp_path):
+    model, amp, scaler = fp16_run
+    x = torch.full((2, 8), 10.0)  # 8 * 10 * 3000 = 240000 > FP16's 65504
+    F.mse_loss(model(x), torch.zeros(2, 4)).backward()
+    prov, msgs, rec = _skip(amp, scaler)
+    assert (prov.kind, prov.op, prov.module, prov.module_type, prov.dtype, prov.inputs_finite) == (
+        "output", "torch.nn.functional.linear", "fc", "Linear", "float16", True
+    )
+    assert prov.step == 0 and prov.loss_id == 0
+    assert prov.yaml == "torch.nn.functional:\n  float: [linear]\n"
+    assert msgs == [str(prov)]
+    assert rec[0].filename == __file__
+    assert str(prov) == (
+        "amp_patch: step 0 of loss 0 was skipped for inf/NaN gradients. The first non-finite value was the "
+        "output of torch.nn.functional.linear in module 'fc' (Linear), computed in float16, from finite inputs.\n"
+        "To run it in float32, add to an op-list override (initialize(..., lists='amp_fp32.yaml')):\n"
+        "  torch.nn.functional:\n"
+        "    float: [linear]"
+    )
+    assert amp_patch.report().to_dict()["overflow"]["op"] == "torch.nn.functional.linear"
+
+    # The suggested override does fix it.
+    amp_patch.deinitialize()
+    (tmp_path / "fix.yaml").write_text(prov.yaml)
+    amp_patch.initialize(model, opt_level="O1", half_dtype=f16, lists=str(tmp_path / "fix.yaml"), verbosity=0)
+    out = model(x)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("fp16_run", [(0.001,)], indirect=True)
+def test_forward_cast_overflow_is_named_as_the_cast_of_the_ops_input(fp16_run):
+    model, amp, scaler = fp16_run
+    model(torch.full((2, 8), 1e6))  # finite in FP32, inf once cast to FP16
+    prov, _, _ = _skip(amp, scaler)
+    assert (prov.kind, prov.op, prov.module, prov.dtype, prov.inputs_finite) == (
+        "cast", "torch.nn.functional.linear", "fc", "float16", True
+    )
+    assert "came from casting an input of torch.nn.functional.linear in module 'fc' (Linear) to float16" in str(prov)
+    assert prov.yaml == "torch.nn.functional:\n  float: [linear]\n"
+
+
+@pytest.mark.parametrize("fp16_run", [(0.001,)], indirect=True)
+def test_gradient_overflow_names_the_op_whose_backward_produced_it(fp16_run):
+    model, amp, scaler = fp16_run
+    x = torch.full((4, 8), 1000.0)
+    out = model(x)  # about 8: finite
+    assert torch.isfinite(out).all()
+    # d(mse)/d(out) = 2 * 800 / 16 = 100, finite in FP16; the weight gradient
+    # sums 4 rows of 100 * 1000 = 400000: beyond FP16.
+    F.mse_loss(out, torch.full((4, 4), -800.0)).backward()
+    prov, _, _ = _skip(amp, scaler)
+    assert (prov.kind, prov.op, prov.module, prov.dtype, prov.inputs_finite) == (
+        "gradient", "torch.nn.functional.linear", "fc", "float16", True
+    )
+    assert "came from the backward of torch.nn.functional.linear in module 'fc' (Linear), in float16" in str(prov)
+    assert prov.yaml == "torch.nn.functional:\n  float: [linear]\n"
+
+
+@pytest.mark.parametrize("fp16_run", [(0.01,)], indirect=True)
+def test_a_scaled_gradient_overflowing_at_the_cast_back_to_fp16(fp16_run):
+    model, amp, scaler = fp16_run
+    out = model(torch.ones(4, 8))
+    loss = F.mse_loss(out, torch.full((4, 4), 10.0))  # FP32: mse_loss is on the float list
+    (loss * 65536.0).backward()  # a loss scale: 2 * 10 / 16 * 65536 = 81920 > 65504
+    prov, _, _ = _skip(amp, scaler)
+    assert (prov.kind, prov.op, prov.dtype) == ("cast_gradient", "torch.nn.functional.mse_loss", "float16")
+    assert prov.yaml is None
+    assert "That is the loss scale at work" in str(prov)
+
+
+@pytest.mark.parametrize("fp16_run", [(0.01,)], indirect=True)
+def test_nothing_non_finite_seen(fp16_run):
+    model, amp, scaler = fp16_run
+    F.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 4)).backward()
+    prov, msgs, _ = _skip(amp, scaler)
+    assert prov.kind is None and prov.op is None and prov.yaml is None
+    assert "find_overflow saw no non-finite op output or gradient since it was armed" in msgs[0]
+
+
+def test_find_overflow_arms_one_step_then_disarms():
+    model = _one_layer(3000.0)
+    amp_patch.initialize(model, opt_level="O1", half_dtype=f16, verbosity=0)
+    try:
+        amp = _state.current()
+        scaler = _Scaler()
+        amp.scalers.append(scaler)
+        # Not armed: a skipped step is only logged.
+        assert diagnostics.on_skipped_step(amp, 0, scaler) is None
+        assert _modes._observers == () and not model.fc._forward_hooks
+
+        amp_patch.find_overflow()
+        assert len(_modes._observers) == 1 and model.fc._forward_hooks
+        model(torch.full((2, 8), 10.0))
+        prov, _, _ = _skip(amp, scaler, step=3)
+        assert prov.step == 3 and prov.op == "torch.nn.functional.linear"
+        # one step only: hooks and mode are gone
+        assert _modes._observers == () and not model.fc._forward_hooks
+        assert torch._C._len_torch_function_stack() == 0
+        assert diagnostics.on_skipped_step(amp, 0, scaler) is None
+        assert amp_patch.report().overflow == prov  # still reported
+
+        # Armed, but the step goes through: the next forward disarms it.
+        amp_patch.find_overflow()
+        model(torch.ones(2, 8))
+        scaler.history.append((4, 65536.0, False))
+        model(torch.ones(2, 8))
+        assert _modes._observers == () and not model.fc._forward_hooks
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_find_overflow_true_stays_armed_and_deinitialize_removes_it():
+    model = _one_layer(3000.0)
+    amp_patch.initialize(model, opt_level="O1", half_dtype=f16, find_overflow=True, verbosity=0)
+    try:
+        amp = _state.current()
+        scaler = _Scaler()
+        amp.scalers.append(scaler)
+        for step in range(2):
+            model(torch.full((2, 8), 10.0))
+            prov, _, _ = _skip(amp, scaler, step=step)
+            assert prov.kind == "output" and prov.step == step
+        assert len(_modes._observers) == 1
+    finally:
+        amp_patch.deinitialize()
+    assert _modes._observers == () and not model.fc._forward_hooks and not model._forward_pre_hooks
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_find_overflow_works_at_o2_style_half_models_too():
+    # No function is patched; the watch still sees the ops a half model runs.
+    model = _one_layer(3000.0).half()
+    amp_patch.initialize(model, opt_level="O1", half_dtype=f16, patch_torch_functions=False,
+                         find_overflow=True, verbosity=0)
+    try:
+        amp = _state.current()
+        scaler = _Scaler()
+        amp.scalers.append(scaler)
+        model(torch.full((2, 8), 10.0, dtype=f16))
+        prov, _, _ = _skip(amp, scaler)
+        assert (prov.kind, prov.op, prov.module, prov.dtype) == ("output", "torch.nn.functional.linear", "fc", "float16")
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_find_overflow_needs_initialize():
+    with pytest.raises(StateError, match=r"amp_patch.find_overflow\(\) needs a running AMP"):
+        amp_patch.find_overflow()

@@ -1,0 +1,388 @@
+"""The zero-code launcher, in process: settings, the optimizer hook, model
+discovery, running a script as __main__, and stepping aside for the script's
+own initialize. End-to-end runs in subprocesses are in test_cli.py."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_patch
+from amp_patch import ConfigError, ListError, _state, launcher, scaling
+from amp_patch.launcher import OptimizerHook, Session, Settings, owning_model
+
+ENV = ("AMP_PATCH_OPT_LEVEL", "AMP_PATCH_HALF_DTYPE", "AMP_PATCH_LOSS_SCALE", "AMP_PATCH_LISTS")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def adopted(monkeypatch):
+    """Record the optimizers the launcher hands to the loss scaler."""
+    seen = []
+    monkeypatch.setattr(scaling, "adopt_optimizer", seen.append, raising=False)
+    return seen
+
+
+def write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def optimizer_vars():
+    classes, todo = [], [torch.optim.Optimizer]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    return {cls: dict(vars(cls)) for cls in classes}
+
+
+# ------------------------------------------------------------------ settings
+
+
+def test_settings_default_is_o1_with_nothing_else():
+    assert Settings.resolve() == Settings("O1", None, None, ())
+
+
+def test_settings_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AMP_PATCH_OPT_LEVEL", "o4")
+    monkeypatch.setenv("AMP_PATCH_HALF_DTYPE", "bf16")
+    monkeypatch.setenv("AMP_PATCH_LOSS_SCALE", "128")
+    assert Settings.resolve() == Settings("O4", torch.bfloat16, 128.0, ())
+
+
+def test_explicit_values_beat_the_environment(monkeypatch):
+    monkeypatch.setenv("AMP_PATCH_OPT_LEVEL", "O7")  # would be an error if read
+    monkeypatch.setenv("AMP_PATCH_HALF_DTYPE", "bfloat16")
+    s = Settings.resolve(opt_level="O1", half_dtype="float16", loss_scale="dynamic")
+    assert s == Settings("O1", torch.float16, "dynamic", ())
+
+
+@pytest.mark.parametrize(
+    "var,value,message",
+    [
+        ("AMP_PATCH_OPT_LEVEL", "O7", "AMP_PATCH_OPT_LEVEL='O7' is not an opt level"),
+        ("AMP_PATCH_OPT_LEVEL", "01", "the letter O, not zero"),
+        ("AMP_PATCH_HALF_DTYPE", "float64", "AMP_PATCH_HALF_DTYPE='float64' is not supported"),
+        ("AMP_PATCH_LOSS_SCALE", "-4", "AMP_PATCH_LOSS_SCALE='-4' is not a loss scale"),
+        ("AMP_PATCH_LOSS_SCALE", "inf", "AMP_PATCH_LOSS_SCALE='inf' is not a loss scale"),
+        ("AMP_PATCH_LOSS_SCALE", "big", "AMP_PATCH_LOSS_SCALE='big' is not a loss scale"),
+    ],
+)
+def test_bad_environment_values_name_the_variable(monkeypatch, var, value, message):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Settings.resolve()
+
+
+def test_bad_explicit_value_is_named_as_given():
+    with pytest.raises(ConfigError, match="--opt-level='O9' is not an opt level"):
+        Settings.resolve(opt_level="O9", names={"opt_level": "--opt-level"})
+
+
+def test_bad_lists_are_reported_before_anything_starts(tmp_path, monkeypatch):
+    bad = write(tmp_path, "bad.yaml", "torch.nn.functional:\n  float: [sofmax]\n")
+    with pytest.raises(ListError, match=r"bad.yaml:2: .*did you mean 'softmax'"):
+        Settings.resolve(lists=[str(bad)])
+    monkeypatch.setenv("AMP_PATCH_LISTS", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ListError, match="missing.yaml: no such op-list file"):
+        Settings.resolve()
+
+
+# ------------------------------------------------------------ optimizer hook
+
+
+def test_hook_fires_once_per_optimizer_after_the_whole_constructor():
+    built = []
+
+    class Tagged(torch.optim.SGD):  # defined before the hook is installed
+        def __init__(self, params):
+            super().__init__(params, lr=0.1)
+            self.tag = "set after super().__init__"
+
+    hook = OptimizerHook(lambda opt: built.append((type(opt).__name__, getattr(opt, "tag", None))))
+    p = [nn.Parameter(torch.zeros(2))]
+    for cls in (torch.optim.SGD, torch.optim.Adam, Tagged):
+        cls(p) if cls is Tagged else cls(p, lr=0.1)  # torch hooks a class's step on first use
+    before = optimizer_vars()
+    hook.install()
+    try:
+
+        class Later(torch.optim.Adam):  # defined after install: wrapped via __init_subclass__
+            def __init__(self, params):
+                super().__init__(params, lr=1e-3)
+                self.tag = "later"
+
+        torch.optim.SGD(p, lr=0.1)
+        Tagged(p)
+        Later(p)
+    finally:
+        hook.uninstall()
+    assert built == [("SGD", None), ("Tagged", "set after super().__init__"), ("Later", "later")]
+    after = optimizer_vars()
+    for cls, own in before.items():
+        assert after[cls].keys() == own.keys(), cls
+        assert all(after[cls][k] is v for k, v in own.items()), cls
+    assert "__init_subclass__" not in vars(torch.optim.Optimizer)
+    assert not hasattr(vars(Later)["__init__"], "__wrapped__")  # restored on the later class too
+
+
+def test_hook_reports_only_the_outer_optimizer_of_a_nested_construction():
+    built = []
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, params):
+            params = list(params)
+            self.inner = torch.optim.SGD(params, lr=0.1)
+            super().__init__(params, {})
+
+    hook = OptimizerHook(built.append)
+    hook.install()
+    try:
+        w = Wrapper([nn.Parameter(torch.zeros(2))])
+    finally:
+        hook.uninstall()
+    assert built == [w]
+
+
+def test_hook_skips_a_failed_constructor_and_keeps_working():
+    built = []
+    hook = OptimizerHook(built.append)
+    hook.install()
+    try:
+        with pytest.raises(ValueError):
+            torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=-1.0)
+        ok = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    finally:
+        hook.uninstall()
+    assert built == [ok]
+
+
+# ------------------------------------------------------------ model discovery
+
+
+def test_owning_model_is_the_top_level_module():
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    assert owning_model(torch.optim.SGD(model.parameters(), lr=0.1)) is model
+    # Only the head is trained: the model that holds it is still the one to cast.
+    assert owning_model(torch.optim.SGD(model[2].parameters(), lr=0.1)) is model
+
+
+def test_owning_model_refuses_parameters_of_two_models():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    with pytest.raises(ConfigError, match="no single nn.Module holds all of its parameters.*amp_patch.initialize"):
+        owning_model(opt)
+    with pytest.raises(ConfigError, match="no single nn.Module"):
+        owning_model(torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1))
+
+
+def test_owning_model_refuses_two_candidates():
+    shared = nn.Linear(2, 2)
+    first, second = nn.Sequential(shared), nn.Sequential(shared)
+    with pytest.raises(ConfigError, match=r"2 models hold its parameters \(Sequential, Sequential\)"):
+        owning_model(torch.optim.SGD(shared.parameters(), lr=0.1))
+    del first, second
+
+
+def test_owning_model_refuses_a_model_already_in_ddp(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # init_process_group replaces it for good
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+        with pytest.raises(ConfigError, match="already wrapped in DistributedDataParallel.*before `DistributedDataParallel"):
+            owning_model(torch.optim.SGD(ddp.parameters(), lr=0.1))
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ run
+
+
+PROBE = """
+    import os, sys
+    import probe_sibling                      # next to the script: needs sys.path[0]
+    import apex
+    from apex import amp
+    import torch.nn.functional as F
+    facts = dict(
+        name=__name__, file=__file__, argv=list(sys.argv), path0=sys.path[0],
+        sibling=probe_sibling.VALUE, amp_is_ours=amp.__name__ == "amp_patch.amp",
+        linear=F.linear,
+    )
+    if __name__ == "__main__":
+        ran_main = True
+"""
+
+
+@pytest.fixture
+def probe(tmp_path):
+    write(tmp_path, "probe_sibling.py", "VALUE = 42\n")
+    return write(tmp_path, "probe.py", PROBE)
+
+
+def test_run_sets_up_main_like_python(probe, adopted):
+    argv, path, original = list(sys.argv), list(sys.path), F.linear
+    args = ["--opt-level", "O2", "--", "x y", "-h"]
+    out = launcher.run(str(probe), args, Settings.resolve(opt_level="O0"))
+    facts = out["facts"]
+    assert facts["name"] == "__main__" and out["ran_main"]
+    assert facts["file"] == str(probe.resolve())
+    assert facts["argv"][1:] == args and os.path.abspath(facts["argv"][0]) == str(probe.resolve())
+    assert facts["path0"] == str(probe.parent.resolve())
+    assert facts["sibling"] == 42 and facts["amp_is_ours"]
+    assert facts["linear"] is original  # O0: FP32, nothing patched
+    assert sys.argv == argv and sys.path == path
+    assert "apex" not in sys.modules and "apex.amp" not in sys.modules
+    sys.modules.pop("probe_sibling", None)
+
+
+def test_run_o1_patches_before_the_script_and_restores_after(probe, adopted):
+    original = F.linear
+    out = launcher.run(str(probe), [], Settings.resolve(opt_level="O1"))
+    assert out["facts"]["linear"] is not original
+    assert F.linear is original and not amp_patch.is_initialized()
+    sys.modules.pop("probe_sibling", None)
+
+
+def test_run_passes_exceptions_and_exit_codes_through_unchanged(tmp_path, adopted):
+    boom = write(tmp_path, "boom.py", "class Boom(Exception):\n    pass\nraise Boom('from the script')\n")
+    with pytest.raises(Exception, match="from the script") as info:
+        launcher.run(str(boom), [], Settings.resolve(opt_level="O1"))
+    assert type(info.value).__name__ == "Boom"
+    assert not amp_patch.is_initialized() and "apex" not in sys.modules
+    leave = write(tmp_path, "leave.py", "import sys\nsys.exit(3)\n")
+    with pytest.raises(SystemExit) as info:
+        launcher.run(str(leave), [], Settings.resolve(opt_level="O1"))
+    assert info.value.code == 3
+    assert not amp_patch.is_initialized()
+
+
+def test_run_refuses_a_missing_script_before_starting(tmp_path):
+    with pytest.raises(ConfigError, match="script 'nope.py' does not exist"):
+        launcher.run("nope.py", [], Settings.resolve())
+    assert not amp_patch.is_initialized()
+
+
+def test_session_refuses_to_start_when_already_initialized():
+    amp_patch.initialize(None, None, "O4", verbosity=0)
+    try:
+        with pytest.raises(ConfigError, match="already initialized"):
+            Session(Settings.resolve()).start()
+    finally:
+        amp_patch.deinitialize()
+
+
+TRAIN = """
+    import torch, torch.nn as nn, torch.nn.functional as F
+    import amp_patch
+    from amp_patch import _state
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    launcher_state = _state.current()
+    launcher_patches = len(launcher_state.patcher) if launcher_state else 0
+    {own}
+    state = _state.current()
+    patches = len(state.patcher) if state else 0
+    out = model(torch.randn(3, 4))
+    loss = F.cross_entropy(out.float(), torch.tensor([0, 1, 0]))
+    loss.backward()
+    optimizer.step()
+    later = torch.optim.Adam(model.parameters())
+"""
+
+
+def test_o1_adopts_every_optimizer_the_script_builds(tmp_path, adopted):
+    script = write(tmp_path, "train.py", TRAIN.format(own=""))
+    out = launcher.run(str(script), [], Settings.resolve(opt_level="O1"))
+    assert out["out"].dtype == torch.bfloat16  # CPU default half dtype
+    assert adopted == [out["optimizer"], out["later"]]
+    assert out["state"] is out["launcher_state"]
+
+
+def test_the_scripts_own_initialize_wins_without_double_patching(tmp_path, adopted):
+    own = "model, optimizer = amp_patch.initialize(model, optimizer, opt_level='O1', verbosity=0)"
+    script = write(tmp_path, "train.py", TRAIN.format(own=own))
+    out = launcher.run(str(script), [], Settings.resolve(opt_level="O1", half_dtype="float16"))
+    state = out["state"]
+    assert state is not out["launcher_state"] and getattr(state, "provisional", None) is None
+    assert state.props.half_dtype == torch.float16  # the launcher's flag carries over
+    assert out["patches"] == out["launcher_patches"]  # replaced, not patched on top
+    assert out["out"].dtype == torch.float16
+    # The launcher stepped aside: the optimizer built after the script's call is the script's business.
+    assert adopted == [out["optimizer"]]
+    assert not amp_patch.is_initialized()
+
+
+def test_the_scripts_own_opt_level_wins(tmp_path, adopted):
+    own = "model, optimizer = amp_patch.initialize(model, optimizer, opt_level='O4', verbosity=0)"
+    script = write(tmp_path, "train.py", TRAIN.format(own=own))
+    out = launcher.run(str(script), [], Settings.resolve(opt_level="O1", half_dtype="float16"))
+    assert out["state"].props.opt_level == "O4"
+
+
+def test_apex_enabled_false_in_the_script_turns_the_launcher_off(tmp_path, adopted):
+    own = "from apex import amp\n    model, optimizer = amp.initialize(model, optimizer, enabled=False)"
+    script = write(tmp_path, "train.py", TRAIN.format(own=own))
+    out = launcher.run(str(script), [], Settings.resolve(opt_level="O1"))
+    assert out["state"] is None and out["out"].dtype == torch.float32
+
+
+def test_o2_attaches_to_the_first_model_optimizer_pair(tmp_path, adopted):
+    body = TRAIN.format(own="").replace("later = torch.optim.Adam(model.parameters())", "")
+    script = write(tmp_path, "train2.py", body + "    weight_dtype = model[0].weight.dtype\n")
+    out = launcher.run(str(script), [], Settings.resolve(opt_level="O2"))
+    assert out["state"] is out["launcher_state"] and out["state"].props.opt_level == "O2"
+    assert out["weight_dtype"] == torch.bfloat16
+    assert out["out"].dtype == torch.float32  # cast_model_outputs: FP32 out of the half model
+    assert not amp_patch.is_initialized()
+    assert adopted == []  # at O2 the pair goes through initialize, not adopt_optimizer
+
+
+def test_o2_refuses_a_second_optimizer_over_the_same_model(tmp_path, adopted):
+    script = write(tmp_path, "train.py", TRAIN.format(own=""))
+    with pytest.raises(ConfigError, match=r"already paired Sequential with an earlier optimizer.*\[opt1, opt2\]"):
+        launcher.run(str(script), [], Settings.resolve(opt_level="O2"))
+    assert not amp_patch.is_initialized()
+
+
+# ------------------------------------------------------------------ auto
+
+
+def test_import_auto_enables_amp_from_the_environment(monkeypatch, adopted):
+    monkeypatch.setenv("AMP_PATCH_OPT_LEVEL", "O4")
+    monkeypatch.delitem(sys.modules, "amp_patch.auto", raising=False)
+    auto = importlib.import_module("amp_patch.auto")
+    try:
+        state = _state.current()
+        assert state.props.opt_level == "O4" and state.props.half_dtype == torch.bfloat16
+        assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.bfloat16
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+        assert adopted == [opt]
+    finally:
+        auto.session.stop()
+        sys.modules.pop("amp_patch.auto", None)
+
+
+def test_import_auto_with_a_bad_variable_raises_naming_it(monkeypatch):
+    monkeypatch.setenv("AMP_PATCH_HALF_DTYPE", "int8")
+    monkeypatch.delitem(sys.modules, "amp_patch.auto", raising=False)
+    with pytest.raises(ConfigError, match="AMP_PATCH_HALF_DTYPE='int8'"):
+        importlib.import_module("amp_patch.auto")
+    sys.modules.pop("amp_patch.auto", None)
+    assert not amp_patch.is_initialized()

@@ -1,0 +1,443 @@
+"""O2/O3/O5: model conversion, hooks, FP32 master weights, and undo."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_patch
+from amp_patch.errors import ConfigError
+
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+
+# The first pickling of a tensor in a process caches copyreg's __slotnames__ on
+# torch.Tensor; do it now so the leak check around each test does not see it.
+pickle.dumps(nn.Parameter(torch.zeros(1)))
+
+
+@contextlib.contextmanager
+def amp(*args, **kwargs):
+    kwargs.setdefault("verbosity", 0)
+    out = amp_patch.initialize(*args, **kwargs)
+    try:
+        yield out
+    finally:
+        amp_patch.deinitialize()
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class Tagger(nn.Module):
+    """Embedding, a transformer encoder layer, an LSTM and a classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 1)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.classifier = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        h = self.encoder(self.embed(tokens))
+        h, _ = self.lstm(h)
+        return self.classifier(h)
+
+
+def mlp(seed=0, unused=False):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
+    if unused:
+        m.spare = nn.Linear(2, 2)
+    return m
+
+
+def batch(i=0):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
+
+
+def dtypes(model):
+    return {n: t.dtype for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+
+
+# ------------------------------------------------------------------ conversion
+
+
+def test_conv_bn_net_has_half_weights_and_fp32_batchnorm():
+    model = ConvBN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp(model, opt, "O2"):
+        d = dtypes(model)
+        assert d == {
+            "conv.weight": bf16, "conv.bias": bf16, "bn.weight": f32, "bn.bias": f32,
+            "bn.running_mean": f32, "bn.running_var": f32, "bn.num_batches_tracked": torch.int64,
+            "head.weight": bf16, "head.bias": bf16,
+        }
+        out = model(torch.randn(2, 3, 4, 4))  # FP32 input, half conv, BN in FP32 on half input
+        assert out.dtype == f32
+        out.sum().backward()
+        opt.step()
+    assert set(dtypes(model).values()) == {f32, torch.int64}
+
+
+def test_o3_casts_batchnorm_too():
+    model = ConvBN()
+    with amp(model, None, "O3", half_dtype=f16):
+        d = dtypes(model)
+        assert d["bn.weight"] == d["bn.running_var"] == f16 and d["bn.num_batches_tracked"] == torch.int64
+        assert model(torch.randn(2, 3, 4, 4)).dtype == f32
+
+
+def test_transformer_and_lstm_are_converted_and_run():
+    model = Tagger()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with amp(model, opt, "O2"):
+        assert {dt for n, dt in dtypes(model).items()} == {bf16}
+        out = model(torch.randint(0, 10, (2, 5)))
+        assert out.dtype == f32 and out.shape == (2, 5, 3)
+        out.float().sum().backward()
+        opt.step()
+        assert all(p.dtype == f32 for g in opt.param_groups for p in g["params"])
+
+
+@pytest.mark.parametrize("keep", [["classifier", "*.norm*"], "keep_callable"])
+def test_keep_fp32_filters(keep):
+    model = Tagger()
+    if keep == "keep_callable":
+        keep = lambda module, name: name == "classifier" or isinstance(module, nn.LayerNorm)  # noqa: E731
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp(model, opt, "O2", keep_fp32=keep):
+        d = dtypes(model)
+        kept = {n for n, dt in d.items() if dt == f32}
+        assert kept == {"classifier.weight", "classifier.bias"} | {
+            f"encoder.layers.0.norm{i}.{w}" for i in (1, 2) for w in ("weight", "bias")
+        }
+        assert d["embed.weight"] == d["lstm.weight_ih_l0"] == bf16
+        out = model(torch.randint(0, 10, (2, 5)))
+        assert out.dtype == f32
+        out.sum().backward()
+        assert model.classifier.weight.grad.dtype == f32
+        opt.step()
+        # a kept FP32 parameter is its own master: the optimizer holds it directly
+        assert any(p is model.classifier.weight for g in opt.param_groups for p in g["params"])
+
+
+def test_keep_fp32_class_name_pattern():
+    model = ConvBN()
+    with amp(model, None, "O3", keep_fp32=["Linear"]):
+        assert model.head.weight.dtype == f32 and model.conv.weight.dtype == bf16
+        assert model(torch.randn(2, 3, 4, 4)).dtype == f32
+
+
+def test_bad_keep_fp32_is_refused_with_a_suggestion_and_nothing_changes():
+    model = Tagger()
+    with pytest.raises(ConfigError, match="did you mean 'classifier'"):
+        amp_patch.initialize(model, None, "O2", keep_fp32=["clasifier"], verbosity=0)
+    with pytest.raises(ConfigError, match="callable"):
+        amp_patch.initialize(model, None, "O2", keep_fp32=3, verbosity=0)
+    with pytest.raises(ConfigError, match="O2, O3 or O5"):
+        amp_patch.initialize(model, None, "O1", keep_fp32=["classifier"], verbosity=0)
+    assert not amp_patch.is_initialized()
+    assert set(dtypes(model).values()) == {f32}
+
+
+# ------------------------------------------------------------------ hooks
+
+
+def test_inputs_are_cast_and_outputs_come_back_fp32_or_as_asked():
+    seen = {}
+    model = mlp()
+    model[0].register_forward_pre_hook(lambda m, args: seen.update({"in": args[0].dtype}))
+    with amp(model, None, "O2"):
+        assert model(torch.randn(3, 6)).dtype == f32
+        assert seen["in"] == bf16
+    seen.clear()
+    with amp(model, None, "O2", cast_model_outputs=bf16):
+        assert model(torch.randn(3, 6, dtype=f32)).dtype == bf16
+
+
+def test_kwargs_and_containers_are_cast_and_float64_is_left_alone():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, pair, *, scale, exact):
+            assert pair[0].dtype == pair[1].dtype == scale.dtype == bf16 and exact.dtype == torch.float64
+            return {"y": self.lin(pair[0] + pair[1]) * scale, "exact": exact}
+
+    model = Two()
+    with amp(model, None, "O2"):
+        out = model((torch.randn(1, 2), torch.randn(1, 2)), scale=torch.tensor(2.0), exact=torch.zeros(1, dtype=torch.float64))
+        assert out["y"].dtype == f32 and out["exact"].dtype == torch.float64
+
+
+def test_no_forward_closure_deepcopy_pickle_and_dataparallel_work():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp(model, opt, "O2"):
+        assert "forward" not in vars(model)
+        x, y = batch()
+        twin = copy.deepcopy(model)
+        assert twin(x).dtype == f32 and torch.equal(twin(x), model(x))
+        back = pickle.loads(pickle.dumps(model))
+        assert torch.equal(back(x), model(x))
+        dp = nn.DataParallel(model)
+        F.mse_loss(dp(x), y).backward()
+        opt.step()
+        # the deep copy has no masters: its state dict holds its own values, in FP32
+        assert all(v.dtype == f32 for v in twin.state_dict().values())
+
+
+def test_torch_compile_runs_the_converted_model():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp(model, opt, "O2"):
+        compiled = torch.compile(model, backend="eager")
+        x, y = batch()
+        out = compiled(x)
+        assert out.dtype == f32 and torch.equal(out, model(x))
+        F.mse_loss(out, y).backward()
+        opt.step()
+    torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ masters
+
+
+def test_masters_hold_the_exact_fp32_values_and_the_model_keeps_its_parameters():
+    model = mlp()
+    before = [(p, p.detach().clone()) for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp(model, opt, "O2"):
+        masters = list(amp_patch.master_params(opt))
+        assert [p for p, _ in before] == list(model.parameters())  # identity kept
+        for (p, value), m in zip(before, masters):
+            assert m is not p and m.dtype == f32 and torch.equal(m, value)  # not rounded
+            assert p.dtype == bf16 and torch.equal(p, value.to(bf16))
+
+
+def _reference_o2(model, opt_factory, steps, unused=False):
+    """O2 written out by hand: half model, FP32 copies stepped by a torch optimizer."""
+    half = copy.deepcopy(model).to(bf16)
+    masters = [p.detach().clone() for p in model.parameters()]
+    for m in masters:
+        m.requires_grad_(True)
+    opt = opt_factory(masters)
+    for i in range(steps):
+        x, y = batch(i)
+        for p in half.parameters():
+            p.grad = None
+        F.mse_loss(half(x.to(bf16)).float(), y).backward()
+        for m, p in zip(masters, half.parameters()):
+            m.grad = None if p.grad is None else p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, half.parameters()):
+                p.copy_(m)
+    return masters
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_any_optimizer_steps_the_masters_exactly_as_by_hand(name):
+    model = mlp(unused=True)
+    expected = _reference_o2(model, OPTIMIZERS[name], steps=4)
+    opt = OPTIMIZERS[name](model.parameters())
+    with amp(model, opt, "O2"):
+        for i in range(4):
+            opt.zero_grad()
+            x, y = batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        masters = list(amp_patch.master_params(opt))
+        assert all(torch.equal(a, b) for a, b in zip(masters, expected))
+        # the half model is refreshed from the masters after each step
+        assert all(torch.equal(p, m.to(bf16)) for p, m in zip(model.parameters(), masters))
+        # a parameter that never got a gradient is untouched
+        assert torch.equal(masters[-2], model.spare.weight.float()) and masters[-2].grad is None
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_clears_model_and_master_gradients(set_to_none):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp(model, opt, "O2"):
+        x, y = batch()
+        F.mse_loss(model(x), y).backward()
+        assert all(p.grad is not None and p.grad.dtype == bf16 for p in model.parameters())
+        opt.step()
+        assert all(m.grad is not None and m.grad.dtype == f32 for m in amp_patch.master_params(opt))
+        F.mse_loss(model(x), y).backward()  # half gradients waiting for the next step
+        opt.zero_grad(set_to_none=set_to_none)
+        for t in list(model.parameters()) + list(amp_patch.master_params(opt)):
+            assert t.grad is None if set_to_none else (t.grad is None or not t.grad.any())
+        # after a zero_grad the next step sees only the new gradients
+        F.mse_loss(model(x), y).backward()
+        fresh = [p.grad.float() for p in model.parameters()]
+        assert all(torch.equal(m.grad, g) for m, g in zip(amp_patch.master_params(opt), fresh))
+
+
+def test_module_zero_grad_also_works_between_steps():
+    a, b = mlp(), mlp()
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    with amp([a, b], [oa, ob], "O2"):
+        for i in range(3):
+            x, y = batch(i)
+            oa.zero_grad()
+            b.zero_grad()  # the model's, not the optimizer's
+            F.mse_loss(a(x), y).backward()
+            F.mse_loss(b(x), y).backward()
+            oa.step()
+            ob.step()
+        assert all(torch.equal(p, q) for p, q in zip(amp_patch.master_params(oa), amp_patch.master_params(ob)))
+
+
+def test_accumulation_happens_in_fp32_masters():
+    def micro_batches(keep_each):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with amp(model, opt, "O2"):
+            singles = []
+            for i in range(3):
+                if keep_each:
+                    opt.zero_grad()
+                x, y = batch(i)
+                F.mse_loss(model(x), y).backward()
+                singles.append([p.grad.float() for p in model.parameters()])
+            return singles, [m.grad.clone() for m in amp_patch.master_params(opt)]
+
+    singles, _ = micro_batches(keep_each=False)
+    alone, _ = micro_batches(keep_each=True)
+    _, accumulated = micro_batches(keep_each=False)
+    assert all(torch.equal(a, b) for s, t in zip(singles, alone) for a, b in zip(s, t))
+    total = [alone[0][k] + alone[1][k] + alone[2][k] for k in range(len(alone[0]))]
+    assert all(torch.equal(m, t) for m, t in zip(accumulated, total))
+
+
+def test_add_param_group_after_initialize_gets_masters():
+    model = mlp()
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with amp(model, opt, "O2"):
+        opt.add_param_group({"params": model[2].parameters(), "lr": 0.05})
+        masters = opt.param_groups[1]["params"]
+        assert [m.dtype for m in masters] == [f32, f32]
+        assert torch.equal(masters[0], model[2].weight.float())
+        before = model[2].weight.detach().clone()
+        x, y = batch()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        assert not torch.equal(model[2].weight, before) and model[2].weight.dtype == bf16
+        with pytest.raises(ValueError, match="more than one parameter group"):
+            opt.add_param_group({"params": [model[2].weight]})
+    assert opt.param_groups[1]["params"] == list(model[2].parameters())
+    assert "add_param_group" not in vars(opt)
+
+
+def test_optimizer_state_from_before_initialize_moves_to_the_masters():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = batch()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    avg = opt.state[model[0].weight]["exp_avg"].clone()
+    with amp(model, opt, "O2"):
+        master = opt.param_groups[0]["params"][0]
+        assert torch.equal(opt.state[master]["exp_avg"], avg) and model[0].weight not in opt.state
+    assert torch.equal(opt.state[model[0].weight]["exp_avg"], avg)
+
+
+def test_models_already_holding_half_parameters_get_fp32_masters():
+    model = mlp()
+    model[2].to(f16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    exact = model[2].weight.detach().float().clone()
+    with amp(model, opt, "O2"):
+        master = opt.param_groups[0]["params"][2]
+        assert master.dtype == f32 and torch.equal(master, exact)
+    assert model[2].weight.dtype == f16, "a parameter goes back to the dtype it had"
+
+
+def test_deinitialize_brings_fp32_master_values_back_and_training_continues():
+    model = mlp()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with amp(model, opt, "O2"):
+        for i in range(3):
+            opt.zero_grad()
+            x, y = batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        masters = [m.detach().clone() for m in amp_patch.master_params(opt)]
+        bufs = [opt.state[m]["momentum_buffer"].clone() for m in amp_patch.master_params(opt)]
+    assert list(model.parameters()) == params == opt.param_groups[0]["params"]
+    assert all(p.dtype == f32 and torch.equal(p, m) for p, m in zip(params, masters))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], b) for p, b in zip(params, bufs))
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    x, y = batch(9)
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def test_invalid_setups_are_refused_before_anything_changes():
+    model = mlp()
+    stray = nn.Parameter(torch.randn(2))
+    with pytest.raises(ConfigError, match="not a parameter of the model"):
+        amp_patch.initialize(model, torch.optim.SGD(list(model.parameters()) + [stray], lr=0.1), "O2", verbosity=0)
+    shared = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model[0].parameters(), lr=0.1)]
+    with pytest.raises(ConfigError, match="one optimizer only"):
+        amp_patch.initialize(model, shared, "O2", verbosity=0)
+    half = mlp().half()
+    with pytest.raises(ConfigError, match="FP16 master weights"):
+        amp_patch.initialize(half, torch.optim.SGD(half.parameters(), lr=0.1), "O1", verbosity=0)
+    with pytest.raises(ConfigError, match="master_weights"):
+        amp_patch.initialize(model, None, "O1", master_weights=True, verbosity=0)
+    assert not amp_patch.is_initialized()
+    assert set(dtypes(model).values()) == {f32}
+
+
+def test_parity_with_fp32_after_200_steps():
+    def train(level):
+        model = mlp(seed=3)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 6, generator=g)
+        y = torch.stack([x[:, :3].sum(1), torch.tanh(x[:, 3:]).prod(1)], 1)
+        ctx = amp(model, opt, level) if level else contextlib.nullcontext()
+        with ctx:
+            for _ in range(200):
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            return F.mse_loss(model(x).float(), y).item()
+
+    fp32, o2 = train(None), train("O2")
+    assert fp32 < 0.1
+    assert o2 == pytest.approx(fp32, rel=0.15, abs=0.01)  # BF16 forward, FP32 masters

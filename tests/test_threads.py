@@ -1,0 +1,312 @@
+"""Threads: patched ops, ``disable_casts`` and backward from several Python threads.
+
+The patches are process-wide, the ``disable_casts`` switch and the loss
+scaling rule are per thread, and the weight-cast cache is shared: every
+thread must see its own policy and get bit-for-bit the results a single
+thread gets.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_patch
+
+HALVES = [torch.float16, torch.bfloat16]
+IDS = ["fp16", "bf16"]
+N_THREADS = 4
+TIMEOUT = 60
+
+# FP16 on the CPU is deliberate here (it is the CUDA default); amp_patch's
+# advice to use BF16 there is not what these tests check.
+pytestmark = pytest.mark.filterwarnings("ignore::amp_patch.AmpWarning")
+
+
+def _run_threads(target, n=N_THREADS):
+    """Run ``target(i)`` in ``n`` threads started together; re-raise the first failure."""
+    barrier = threading.Barrier(n)
+    errors = []
+
+    def body(i):
+        try:
+            barrier.wait(TIMEOUT)
+            target(i)
+        except BaseException as e:  # reported in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture
+def o1():
+    def start(half, models=None, optimizers=None, **kw):
+        return amp_patch.initialize(models, optimizers, "O1", half_dtype=half, **kw)
+
+    yield start
+    amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("half", HALVES, ids=IDS)
+def test_patched_ops_from_many_threads_match_single_thread_hand_casts(o1, half):
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)  # shared: its weight cast goes through the shared cache
+    xs = [torch.randn(5, 16) for _ in range(N_THREADS)]
+    ys = [torch.randn(16, 3) for _ in range(N_THREADS)]
+    # What each thread must get, computed by hand before anything is patched.
+    ref = []
+    for x, y in zip(xs, ys):
+        h = F.linear(x.to(half), lin.weight.to(half), lin.bias.to(half))
+        ref.append((h, x.to(half).matmul(y.to(half)), torch.cat([h.float(), x[:, :8]])))
+    o1(half, lin)
+
+    def work(i):
+        for _ in range(30):
+            h = lin(xs[i])
+            mm = xs[i].matmul(ys[i])  # a Tensor method: the receiver is cast too
+            cat = torch.cat([h, xs[i][:, :8]])  # promote: mixed inputs run in FP32
+            assert (h.dtype, mm.dtype, cat.dtype) == (half, half, torch.float32)
+            assert torch.equal(h, ref[i][0]) and torch.equal(mm, ref[i][1]) and torch.equal(cat, ref[i][2])
+
+    _run_threads(work)
+
+
+def test_disable_casts_in_one_thread_does_not_reach_the_others(o1):
+    o1(torch.float16)
+    x = torch.randn(4, 4)
+    n_off = 2
+    entered = threading.Barrier(N_THREADS)  # all threads are inside (or not) their block
+    checked = threading.Barrier(N_THREADS)  # nobody leaves before everyone has checked
+    seen = {}
+
+    def work(i):
+        if i < n_off:
+            with amp_patch.disable_casts():
+                with amp_patch.disable_casts():  # nested: still off after the inner exit
+                    entered.wait(TIMEOUT)
+                inner = (x @ x).dtype
+                checked.wait(TIMEOUT)
+            seen[i] = (inner, (x @ x).dtype)
+        else:
+            entered.wait(TIMEOUT)
+            inner = (x @ x).dtype
+            checked.wait(TIMEOUT)
+            seen[i] = (inner, (x @ x).dtype)
+
+    _run_threads(work)
+    assert seen == {
+        0: (torch.float32, torch.float16),
+        1: (torch.float32, torch.float16),
+        2: (torch.float16, torch.float16),
+        3: (torch.float16, torch.float16),
+    }
+    assert (x @ x).dtype == torch.float16  # the main thread was never disabled
+    from amp_patch import wrappers
+
+    assert not wrappers.disabled  # every thread's depth was popped
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.LayerNorm(24), nn.Linear(24, 3))
+
+
+@pytest.mark.parametrize("half", HALVES, ids=IDS)
+def test_backward_in_several_threads_matches_one_thread(half):
+    torch.manual_seed(1)
+    base = _mlp()
+    xs = [torch.randn(6, 12) for _ in range(N_THREADS)]
+    ts = [torch.randn(6, 3) for _ in range(N_THREADS)]
+    models = [copy.deepcopy(base) for _ in range(N_THREADS)]
+    amp_patch.initialize(models, None, "O1", half_dtype=half, loss_scale=1.0)
+    try:
+        # The reference: the same forward and backward, one thread, one after the other.
+        ref = []
+        for x, t in zip(xs, ts):
+            m = copy.deepcopy(base)
+            out = m(x)
+            assert out.dtype == half
+            F.mse_loss(out.float(), t).backward()
+            ref.append([p.grad.clone() for p in m.parameters()])
+
+        def work(i):
+            m = models[i]
+            for _ in range(3):
+                m.zero_grad()
+                F.mse_loss(m(xs[i]).float(), ts[i]).backward()
+                for p, g in zip(m.parameters(), ref[i]):
+                    assert p.grad.dtype == torch.float32
+                    assert torch.equal(p.grad, g)
+
+        _run_threads(work)
+    finally:
+        amp_patch.deinitialize()
+
+
+class _RecordingMatmul(torch.autograd.Function):
+    """y = x @ w, whose backward calls patched ops and records their dtype."""
+
+    seen: dict = {}
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x.float() @ w.float()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.float()
+        gx = torch.mm(g, w.t())  # patched: half unless this thread disabled casting
+        _RecordingMatmul.seen[threading.get_ident()] = gx.dtype
+        return gx.float(), torch.mm(x.t(), g).float()
+
+
+def test_backward_runs_under_the_policy_of_the_thread_that_calls_it(o1):
+    o1(torch.bfloat16)
+    w = torch.randn(6, 2, requires_grad=True)
+    xs = [torch.randn(3, 6, requires_grad=True) for _ in range(N_THREADS)]
+    _RecordingMatmul.seen = {}
+    expected = {}
+    in_block = threading.Barrier(N_THREADS)
+
+    def work(i):
+        y = _RecordingMatmul.apply(xs[i], w)
+        if i % 2:
+            with amp_patch.disable_casts():
+                in_block.wait(TIMEOUT)
+                torch.autograd.grad(y.sum(), xs[i])
+            expected[threading.get_ident()] = torch.float32
+        else:
+            in_block.wait(TIMEOUT)  # the odd threads are inside disable_casts now
+            torch.autograd.grad(y.sum(), xs[i])
+            expected[threading.get_ident()] = torch.bfloat16
+
+    _run_threads(work)
+    assert _RecordingMatmul.seen == expected
+    assert sorted(map(str, expected.values())) == ["torch.bfloat16"] * 2 + ["torch.float32"] * 2
+
+
+def test_inference_threads_while_the_main_thread_trains(o1):
+    torch.manual_seed(2)
+    frozen = _mlp().eval()
+    trained = _mlp()
+    opt = torch.optim.SGD(trained.parameters(), lr=0.05)
+    xs = [torch.randn(4, 12) for _ in range(N_THREADS - 1)]
+    o1(torch.bfloat16, [frozen, trained], opt)
+    with torch.no_grad():
+        ref = [frozen(x) for x in xs]  # one thread, before the others start
+    data = torch.randn(8, 12)
+    target = torch.randn(8, 3)
+    losses = []
+
+    def work(i):
+        if i == N_THREADS - 1:
+            for _ in range(20):
+                opt.zero_grad()
+                loss = F.mse_loss(trained(data).float(), target)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        else:
+            with torch.no_grad():
+                for _ in range(40):
+                    out = frozen(xs[i])
+                    assert out.dtype == torch.bfloat16
+                    assert torch.equal(out, ref[i])
+
+    _run_threads(work)
+    assert losses[-1] < losses[0]
+
+
+class _Features(torch.utils.data.Dataset):
+    """Normalised features computed with torch ops, as a transform would."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(64, 10, generator=g) * 3 + 1
+        self.y = torch.randint(0, 4, (64,), generator=g)
+        self.mean, self.std = self.x.mean(0), self.x.std(0)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return (self.x[i] - self.mean) / self.std, self.y[i]
+
+
+@pytest.mark.filterwarnings("ignore:.*pin_memory:UserWarning")
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers"])
+def test_dataloader_with_workers_and_pin_memory_under_o1(o1, workers):
+    ds = _Features()
+    plain = [(x.clone(), y.clone()) for x, y in torch.utils.data.DataLoader(ds, batch_size=16)]
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dtypes = []
+    model[0].register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    o1(torch.bfloat16, model, opt)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=16, num_workers=workers, pin_memory=True, persistent_workers=workers > 0
+    )
+    first = last = None
+    for epoch in range(6):
+        total = 0.0
+        for (x, y), (px, py) in zip(loader, plain):
+            # The batches are the ones a plain loader makes, bit for bit, in their own dtypes.
+            assert x.dtype == torch.float32 and y.dtype == torch.int64
+            assert torch.equal(x, px) and torch.equal(y, py)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            assert loss.dtype == torch.float32
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        first = total if first is None else first
+        last = total
+    assert set(dtypes) == {torch.bfloat16}
+    assert last < first
+
+
+class _Projected(torch.utils.data.Dataset):
+    """A transform that calls a patched op, with and without ``disable_casts``."""
+
+    def __init__(self, guarded):
+        self.guarded = guarded
+        self.proj = torch.randn(6, 6, generator=torch.Generator().manual_seed(5))
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        x = torch.full((6,), float(i))
+        if self.guarded:
+            with amp_patch.disable_casts():
+                return torch.matmul(self.proj, x)
+        return torch.matmul(self.proj, x)
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain", "disable_casts"])
+def test_forked_workers_see_the_policy_of_the_process_that_forked_them(o1, guarded):
+    # Patches are process-wide, so a transform in a forked worker casts as it
+    # would in the main process; disable_casts() in the transform keeps FP32.
+    ds = _Projected(guarded)
+    o1(torch.bfloat16)
+    here = list(torch.utils.data.DataLoader(ds, batch_size=4))
+    there = list(torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork"))
+    want = torch.float32 if guarded else torch.bfloat16
+    assert [b.dtype for b in there] == [want, want]
+    assert all(torch.equal(a, b) for a, b in zip(here, there))
+    with amp_patch.disable_casts():
+        exact = torch.stack([ds.proj.to(want) @ torch.full((6,), float(i)).to(want) for i in range(8)])
+    assert torch.equal(torch.cat(there), exact)
