@@ -11,8 +11,11 @@ registers an observer (or calls ``ensure_here``) and taken off on the thread
 that removes the last one. On any other thread it is left in place but, with
 no observer, only calls straight through.
 
-``OpNames`` maps a function object torch hands to a mode back to the public
-names under which amp_patch could patch it (``torch.nn.functional.linear``).
+``caller`` finds the frame that made a torch call, past torch and the op
+machinery, so a call can be charged to the user's line or recognised as
+amp_patch's own (the loss scaler's arithmetic). ``OpNames`` maps a function
+object torch hands to a mode back to the public names under which amp_patch
+could patch it (``torch.nn.functional.linear``).
 """
 from __future__ import annotations
 
@@ -37,11 +40,15 @@ _local = threading.local()
 
 
 _WRAPT_TYPES = (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)
-_OUR_WRAPPERS = __package__ + ".wrappers"
+_PREFIX = __package__ + "."
 
 
 def _ours(func: Any) -> bool:
-    return isinstance(func, _WRAPT_TYPES) and getattr(getattr(func, "_self_wrapper", None), "__module__", None) == _OUR_WRAPPERS
+    """True for a wrapt wrapper amp_patch put on a torch function."""
+    if not isinstance(func, _WRAPT_TYPES):
+        return False
+    module = getattr(getattr(func, "_self_wrapper", None), "__module__", None)
+    return isinstance(module, str) and module.startswith(_PREFIX)
 
 
 class _Watch(TorchFunctionMode):
@@ -49,15 +56,16 @@ class _Watch(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         if _ours(func):
-            # A Python-level torch function that one of our wrappers already
-            # called re-dispatches through its (patched) module global while
-            # a mode is on; run the original so the op is not cast or
-            # counted twice, as it would run with no mode.
+            # A Python-level torch function (F.mse_loss, Tensor.backward)
+            # that our patch already called re-dispatches, while a mode is
+            # on, through its patched name; run the original, as it runs
+            # with no mode, or the op would be cast, counted (or a loss
+            # scaled) twice.
             func = func.__wrapped__
         out = func(*args, **kwargs)
         observers = _observers
         if observers:
-            # Observers inspect tensors (dtype, isfinite); that must neither
+            # Observers inspect tensors (dtype, min/max); that must neither
             # recurse into this mode nor reach a user's mode.
             with torch._C.DisableTorchFunction():
                 for observe in observers:
@@ -108,26 +116,43 @@ def _take_off(mode: TorchFunctionMode) -> None:
         _push_mode(m)
 
 
-# ------------------------------------------------------------------ names
+# ------------------------------------------------------------------ callers
 
-_SKIP_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (torch, wrapt, sys.modules[__package__])
-)
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, wrapt))
+#: amp_patch's op machinery: frames of the op call itself, never its caller
+_MACHINERY = frozenset(_PKG_DIR + f for f in ("wrappers.py", "_cast.py", "_modes.py", "stats.py", "diagnostics.py"))
+#: code in the package that runs as a user would (a training loop)
+_USER_LIKE = frozenset(_PKG_DIR + f for f in ("demo.py",))
 
 
-def user_site(depth: int = 1) -> str:
-    """``file:line`` of the innermost caller outside torch, wrapt and amp_patch.
-
-    Walks frames, so it is for first sightings only, never per call.
-    """
-    f: Optional[Any] = sys._getframe(depth)
+def caller(depth: int = 1) -> Optional[Any]:
+    """The frame that made the torch call being handled: the innermost one
+    outside torch, wrapt and amp_patch's op machinery (``depth`` frames up
+    from the function asking)."""
+    f: Optional[Any] = sys._getframe(depth + 1)
     while f is not None:
         fn = f.f_code.co_filename
-        if not fn.startswith(_SKIP_DIRS) and not fn.startswith("<frozen"):
-            return f"{fn}:{f.f_lineno}"
+        if not (fn.startswith(_LIBRARY_DIRS) or fn in _MACHINERY or fn.startswith("<frozen")):
+            return f
         f = f.f_back
-    return "?"
+    return None
+
+
+def is_internal(frame: Optional[Any]) -> bool:
+    """True when amp_patch itself (the loss scaler, model conversion) made the call."""
+    if frame is None:
+        return False
+    fn = frame.f_code.co_filename
+    return fn.startswith(_PKG_DIR) and fn not in _USER_LIKE
+
+
+def site(frame: Optional[Any]) -> str:
+    """``file:line`` of ``frame``, or ``"?"``."""
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+# ------------------------------------------------------------------ names
 
 
 class OpNames:
@@ -135,8 +160,8 @@ class OpNames:
 
     ``names(func)`` gives every ``(namespace, name)`` that holds ``func``
     (``F.conv2d`` *is* ``torch.conv2d``), looking through amp_patch's own
-    wrappers; ``covered(func)`` says whether any of them is in the op lists
-    in force.
+    wrappers; ``covered(names)`` says whether any of them is in the op lists
+    in force (or patched by a registration).
     """
 
     def __init__(self, amp: Any):

@@ -284,6 +284,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to train (default: CUDA if present, else CPU)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run (default FP32,O1,O2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's own choice); 1 steadies timings on a busy machine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="show a progress bar (default: when stderr is a terminal)")
@@ -302,6 +304,8 @@ def _settings(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, List[s
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must be 0 or more")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be at least 1")
     modes = [m.strip().upper() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes a comma-separated subset of {','.join(MODES)}; got {args.modes!r}")
@@ -332,6 +336,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args, modes, device = _settings(argv)
     except SystemExit as e:  # argparse's usage errors and --help
         return e.code if isinstance(e.code, int) else 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     half = "float16" if device.type == "cuda" else "bfloat16"
     steps = args.epochs * args.batches
     print(

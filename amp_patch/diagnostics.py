@@ -441,7 +441,12 @@ class _OverflowWatch:
 
     # -- the mode observer (already inside DisableTorchFunction)
     def _observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        if self.event is not None or not self.armed:
+        # Only computations of the forward pass: a getter (``p.grad``)
+        # computes nothing, and under no_grad the optimizer and the loss
+        # scaler handle gradients that may hold inf by design.
+        if self.event is not None or not self.armed or not torch.is_grad_enabled():
+            return
+        if getattr(func, "__name__", None) == "__get__":
             return
         hooked = set()
         for t in _tensors(out):

@@ -127,6 +127,7 @@ class Settings:
         return settings
 
     def initialize_kwargs(self) -> dict:
+        """The keyword arguments these settings give ``amp_patch.initialize``."""
         out: dict = {"half_dtype": self.half_dtype, "lists": list(self.lists) or None}
         if self.loss_scale is not None:
             out["loss_scale"] = self.loss_scale
@@ -165,6 +166,17 @@ class OptimizerHook:
         self._own_init_subclass: Any = _NOTSET
 
     def install(self) -> None:
+        """Start watching optimizer construction; undo with ``uninstall()``.
+
+        Example::
+
+            hook = OptimizerHook(lambda opt: print(type(opt).__name__))
+            hook.install()
+            try:
+                torch.optim.SGD(model.parameters(), lr=0.1)   # prints "SGD"
+            finally:
+                hook.uninstall()
+        """
         base = torch.optim.Optimizer
         hook = self
 
@@ -189,6 +201,7 @@ class OptimizerHook:
         base.__init_subclass__ = classmethod(init_subclass)
 
     def uninstall(self) -> None:
+        """Put every ``__init__`` (and ``Optimizer.__init_subclass__``) back as it was."""
         base = torch.optim.Optimizer
         if self._own_init_subclass is not _NOTSET:
             base.__init_subclass__ = self._own_init_subclass
@@ -362,7 +375,12 @@ class Session:
 
 
 def check_script(script: Union[str, os.PathLike]) -> str:
-    """The absolute path of ``script``, or ConfigError if it cannot be run."""
+    """The absolute path of ``script``, or ConfigError if it cannot be run.
+
+    Example::
+
+        path = check_script("train.py")
+    """
     path = os.path.abspath(os.fspath(script))
     if not os.path.exists(path):
         raise ConfigError(f"script {os.fspath(script)!r} does not exist (looked for {path})")

@@ -11,7 +11,9 @@ allocation on the hot path), where the loss scaler unscales and checks them in
 place, and drops the half gradients so the next backward starts fresh (autograd
 then adopts its own result instead of adding into an old buffer). A second
 backward before the step adds into the masters' gradients, so accumulation
-happens in FP32. After the optimizer steps the masters, ``refresh`` copies
+happens in FP32; a step consumes the sum, so the next backward starts a new one
+(``model.zero_grad()``, which cannot reach the masters, is enough between
+steps). After the optimizer steps the masters, ``refresh`` copies
 them into the half model. Both run as one multi-tensor (``torch._foreach_*``)
 call, never as a Python loop of tensor ops per parameter.
 """

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import _state, master
+from . import _state, compat, master
 from ._cast import CASTABLE, LOW, cast, needs_cast
 from .errors import ConfigError, StateError
 from .properties import parse_dtype
@@ -185,6 +185,7 @@ def validate(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optim
     Raises:
         ConfigError: naming the model, optimizer or option and the fix.
     """
+    compat.check_models(models, props)
     casts_half = props.cast_model_type in LOW
     if options.get("keep_fp32") is not None:
         if not casts_half:
@@ -207,6 +208,14 @@ def validate(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optim
                 f"model, opt = amp_patch.initialize(model, opt, ...); model = DDP(model)"
             )
 
+    if props.master_weights and props.cast_model_type is None and not any(
+        p.dtype in LOW for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()
+    ):
+        raise ConfigError(
+            "master_weights=True with cast_model_type=False needs a model that already holds FP16/BF16 "
+            "parameters; these models are all FP32, so FP32 master weights would copy them for nothing. "
+            "Let the opt level cast the model (drop cast_model_type=False), or drop master_weights."
+        )
     if props.master_weights:
         known = {id(p) for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()}
         owner: Dict[int, int] = {}
@@ -286,14 +295,31 @@ def _convert(model: nn.Module, dtype: torch.dtype, out_dtype: torch.dtype, keep_
                 rec.buffers.append((mod, bname, b.dtype))
                 mod._buffers[bname] = b.to(dtype)
                 changed = True
-        if changed or any(p is not None and p.dtype in LOW for p in mod._parameters.values()):
-            rec.handles.append(mod.register_state_dict_post_hook(SaveFP32(save_dtype)))
-            rec.handles.append(mod.register_load_state_dict_pre_hook(LoadIntoMasters()))
+        if changed or _holds_half(mod):
+            _checkpoint_hooks(mod, save_dtype, rec)
         if changed and isinstance(mod, nn.RNNBase):
             rec.rnns.append(mod)
             mod.flatten_parameters()
     rec.handles.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
     rec.handles.append(model.register_forward_hook(CastOutputs(out_dtype)))
+    return rec
+
+
+def _holds_half(mod: nn.Module) -> bool:
+    return any(p is not None and p.dtype in LOW for p in mod._parameters.values())
+
+
+def _checkpoint_hooks(mod: nn.Module, save_dtype: torch.dtype, rec: _Converted) -> None:
+    rec.handles.append(mod.register_state_dict_post_hook(SaveFP32(save_dtype)))
+    rec.handles.append(mod.register_load_state_dict_pre_hook(LoadIntoMasters()))
+
+
+def _hook_only(model: nn.Module, save_dtype: torch.dtype) -> _Converted:
+    """``cast_model_type=False`` with masters: no casts, FP32 checkpoints of the half parameters."""
+    rec = _Converted(model)
+    for mod in model.modules():
+        if _holds_half(mod):
+            _checkpoint_hooks(mod, save_dtype, rec)
     return rec
 
 
@@ -350,6 +376,12 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
         save_dtype = _save_dtype(amp.options.get("save_dtype"))
         for m in models:
             rec = _convert(m, dtype, out_dtype, keep_bn, keep, save_dtype, originals)
+            amp.model_handles.append(rec)
+            amp.undo_callbacks.append(_Unconvert(rec))
+    elif props.master_weights:
+        save_dtype = _save_dtype(amp.options.get("save_dtype"))
+        for m in models:
+            rec = _hook_only(m, save_dtype)
             amp.model_handles.append(rec)
             amp.undo_callbacks.append(_Unconvert(rec))
     for opt in optimizers:

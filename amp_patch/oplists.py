@@ -50,6 +50,9 @@ WHEN_KEYS = {"dtype": ("float16", "bfloat16"), "device": ("cpu", "cuda")}
 MAX_BYTES = 1 << 20  # an op list is a few KiB; refuse anything absurd
 ENV_VAR = "AMP_PATCH_LISTS"
 
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_PLAIN_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "bool", "null", "float", "seq", "map"))
+
 ListSource = Union[str, os.PathLike, Mapping[str, Any]]
 
 
@@ -120,6 +123,8 @@ class _Reader:
             if id(node) in seen_nodes:
                 raise ListError(f"{self.where}:{node.start_mark.line + 1}: YAML anchors and aliases are not allowed in op lists")
             seen_nodes.add(id(node))
+            if node.tag not in _PLAIN_TAGS:
+                raise ListError(f"{self.where}:{node.start_mark.line + 1}: YAML tag {node.tag!r} is not allowed in op lists; use plain names, lists and mappings")
             if isinstance(node, yaml.MappingNode):
                 return _Mapping([(plain(k), plain(v), k.start_mark.line + 1) for k, v in node.value])
             if isinstance(node, yaml.SequenceNode):
@@ -264,8 +269,9 @@ def _read_file(path: Path, allow_remove: bool) -> _Reader:
 
 def _read_text(text: str, where: str, allow_remove: bool) -> _Reader:
     try:
-        yaml.safe_load(text)  # syntax check with safe_load's own error marks
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        # Composing (not constructing) keeps line numbers and never builds
+        # Python objects from tags; the C loader is 30x faster when present.
+        root = yaml.compose(text, Loader=_SAFE_LOADER)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = f":{mark.line + 1}" if mark else ""

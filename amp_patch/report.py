@@ -185,7 +185,9 @@ class Report:
 
 
 def _num(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:g}"
+    if x is None:
+        return "-"
+    return str(int(x)) if x == int(x) and abs(x) < 1e15 else f"{x:g}"
 
 
 def _dtypes_text(dtypes: Dict[str, int]) -> str:

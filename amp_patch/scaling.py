@@ -364,14 +364,19 @@ def _step(self, *args: Any, **kwargs: Any) -> Any:
     _verdict(run)
     skip = bool(h.verdict)
     h.verdict = None
+    mw = h.masters
     if skip:
         h.skipped += 1
-        return None
-    out = h.originals["step"](*args, **kwargs)
-    if h.masters is not None:
-        h.masters.refresh()
-    h.steps += 1
-    return out
+    else:
+        out = h.originals["step"](*args, **kwargs)
+        if mw is not None:
+            mw.refresh()
+        h.steps += 1
+    if mw is not None:
+        # This step consumed the masters' gradients: the next backward starts a
+        # new sum even if only model.zero_grad() (which cannot reach the masters) ran.
+        mw.carried = False
+    return None if skip else out
 
 
 class _AbsorbAfter:
@@ -654,6 +659,12 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
     unscale again. Under O2 the gradients land in the FP32 masters, which
     ``master_params`` yields.
 
+    Args:
+        optimizer: an optimizer passed to ``initialize`` (or ``adopt_optimizer``).
+
+    Raises:
+        StateError: before ``initialize``, or for an optimizer it did not attach.
+
     Example::
 
         loss.backward()
@@ -694,6 +705,18 @@ def master_params(optimizer: Any) -> Iterator[Tensor]:
 def adopt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Attach an optimizer created after ``initialize``: loss scaling, and FP32
     masters under O2/O5. A no-op for an optimizer already attached.
+
+    Args:
+        optimizer: the new optimizer; under O2/O5 its parameters must belong
+            to the models passed to ``initialize``.
+
+    Returns:
+        ``optimizer``, now patched like those passed to ``initialize``.
+
+    Raises:
+        StateError: before ``initialize``.
+        ConfigError: the optimizer does not fit the opt level (e.g. FP16
+            weights at O1, foreign parameters at O2); nothing changed.
 
     Example::
 

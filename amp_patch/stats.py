@@ -13,8 +13,10 @@ calls made while autograd records are counted (the forward pass): the
 optimizer step and the loss scaler work in FP32 under ``no_grad`` by design,
 and listing them would bury the ops worth moving.
 
-Cost when on: a lock and a few dict updates per patched call, and every torch
-call (patched or not) goes through one Python-level ``TorchFunctionMode``.
+Calls amp_patch makes itself (the loss scaler's arithmetic) are not counted:
+the ledger describes the user's model. Cost when on: a short walk up the
+stack, a lock and a few dict updates per patched call, and every torch call
+(patched or not) goes through one Python-level ``TorchFunctionMode``.
 """
 from __future__ import annotations
 
@@ -97,11 +99,14 @@ class Ledger:
         """Count one call of a patched op (called by the casting wrapper)."""
         if not getattr(self._here, "watching", False):
             self._watch_here()
+        frame = _modes.caller()
+        if _modes.is_internal(frame):
+            return  # the loss scaler's own arithmetic is not the user's model
         dtype = _dtype_of(out)
         with self._lock:
             s = self.ops.get(qualname)
             if s is None:
-                s = self.ops[qualname] = OpStats(policy, _modes.user_site())
+                s = self.ops[qualname] = OpStats(policy, _modes.site(frame))
             s.calls += 1
             s.casts += ncasts
             s.bytes_cast += nbytes
@@ -149,11 +154,14 @@ class Ledger:
         half = self._names.amp.props.half_dtype
         if not (needs_cast(args, half) or needs_cast(kwargs, half)):
             return
+        frame = _modes.caller()
+        if _modes.is_internal(frame):
+            return
         q = _modes.qualname(names[0])
         with self._lock:
             u = self.unlisted.get(q)
             if u is None:
-                u = self.unlisted[q] = [0, _modes.user_site()]
+                u = self.unlisted[q] = [0, _modes.site(frame)]
             u[0] += 1
 
     # -- reading and clearing

@@ -273,7 +273,8 @@ def _prelu(r):
 
 
 def _cell_weights(r, gates: int, inp: int = 4, hid: int = 3):
-    return r.randn(gates * hid, inp, scale=0.3), r.randn(gates * hid, hid, scale=0.3), r.randn(gates * hid, scale=0.1), r.randn(gates * hid, scale=0.1)
+    rows = gates * hid
+    return r.randn(rows, inp, scale=0.3), r.randn(rows, hid, scale=0.3), r.randn(rows, scale=0.1), r.randn(rows, scale=0.1)
 
 
 @sample("torch.lstm_cell", "torch._VF.lstm_cell")
@@ -323,7 +324,8 @@ def _unit(r):
     return (r.uniform(3, 4, lo=-0.9, hi=0.9),), {}
 
 
-@sample("torch.cosh", "torch.sinh", "torch.exp", "torch.expm1", "torch.special.expm1", "torch.special.exp2", "torch.exp2")
+@sample("torch.cosh", "torch.sinh", "torch.exp", "torch.expm1", "torch.exp2", "torch.special.expm1",
+        "torch.special.exp2")
 def _real(r):
     return (r.randn(3, 4),), {}
 
@@ -333,7 +335,8 @@ def _tan(r):
     return (r.uniform(3, 4, lo=-1.2, hi=1.2),), {}
 
 
-@sample("torch.log", "torch.log10", "torch.log2", "torch.log1p", "torch.special.log1p", "torch.reciprocal", "torch.rsqrt")
+@sample("torch.log", "torch.log10", "torch.log2", "torch.log1p", "torch.special.log1p", "torch.reciprocal",
+        "torch.rsqrt")
 def _positive(r):
     return (r.positive(3, 4),), {}
 

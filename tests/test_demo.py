@@ -1,7 +1,10 @@
 """The demo: the tutorial's SimpleNet in FP32, O1 and O2, and its table."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,3 +133,17 @@ def test_progress_bar_plain(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.endswith("\r   O1 [" + "#" * 15 + "." * 15 + "] 2/4")
     bar.close()
+
+
+@pytest.mark.slow
+def test_demo_through_python_dash_m():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "amp_patch", "demo", "--size", "16", "--batch-size", "8", "--batches", "2",
+         "--epochs", "1", "--warmup", "0", "--modes", "FP32,O1", "--no-progress"],
+        cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"\nFP32\s+[\d.]+ ms\s+1\.00x .*linear x3 float32", proc.stdout)
+    assert re.search(r"\nO1\s+[\d.]+ ms\s+[\d.]+x .*linear x3 bfloat16", proc.stdout)

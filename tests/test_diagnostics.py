@@ -354,3 +354,24 @@ def test_find_overflow_works_at_o2_style_half_models_too():
 def test_find_overflow_needs_initialize():
     with pytest.raises(StateError, match=r"amp_patch.find_overflow\(\) needs a running AMP"):
         amp_patch.find_overflow()
+
+
+def test_a_step_the_loss_scaler_skips_is_explained():
+    model = _one_layer(3000.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=f16, find_overflow=True, verbosity=0)
+    try:
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            opt.zero_grad()
+            F.mse_loss(model(torch.full((2, 8), 10.0)), torch.zeros(2, 4)).backward()
+            opt.step()  # inf/NaN gradients: the scaler skips the step and asks where they came from
+        msgs = [m for m in _amp_warnings(rec) if "was skipped" in m]
+        assert len(msgs) == 1
+        assert msgs[0].startswith("amp_patch: step 0 of loss 0 was skipped for inf/NaN gradients. The first "
+                                  "non-finite value was the output of torch.nn.functional.linear in module 'fc'")
+        rep = amp_patch.report()
+        assert rep.loss_scale[0]["skipped"] == 1 and rep.loss_scale[0]["skipped_steps"] == [0]
+        assert rep.overflow.op == "torch.nn.functional.linear"
+    finally:
+        amp_patch.deinitialize()

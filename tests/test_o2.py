@@ -57,12 +57,22 @@ class Tagger(nn.Module):
         return self.classifier(h)
 
 
+class WithSpare(nn.Module):
+    """An MLP plus a layer the forward pass never uses (its parameters get no gradient)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+        self.spare = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.net(x)
+
+
 def mlp(seed=0, unused=False):
     torch.manual_seed(seed)
     m = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
-    if unused:
-        m.spare = nn.Linear(2, 2)
-    return m
+    return WithSpare(m) if unused else m
 
 
 def batch(i=0):
@@ -266,6 +276,7 @@ OPTIMIZERS = {
 def test_any_optimizer_steps_the_masters_exactly_as_by_hand(name):
     model = mlp(unused=True)
     expected = _reference_o2(model, OPTIMIZERS[name], steps=4)
+    spare = model.spare.weight.detach().clone()
     opt = OPTIMIZERS[name](model.parameters())
     with amp(model, opt, "O2"):
         for i in range(4):
@@ -278,7 +289,7 @@ def test_any_optimizer_steps_the_masters_exactly_as_by_hand(name):
         # the half model is refreshed from the masters after each step
         assert all(torch.equal(p, m.to(bf16)) for p, m in zip(model.parameters(), masters))
         # a parameter that never got a gradient is untouched
-        assert torch.equal(masters[-2], model.spare.weight.float()) and masters[-2].grad is None
+        assert torch.equal(masters[-2], spare) and masters[-2].grad is None
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -441,3 +452,44 @@ def test_parity_with_fp32_after_200_steps():
     fp32, o2 = train(None), train("O2")
     assert fp32 < 0.1
     assert o2 == pytest.approx(fp32, rel=0.15, abs=0.01)  # BF16 forward, FP32 masters
+
+
+def test_distributed_data_parallel_wraps_the_converted_model(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with amp(model, opt, "O2"):
+            ddp = nn.parallel.DistributedDataParallel(model)
+            before = [m.detach().clone() for m in amp_patch.master_params(opt)]
+            for i in range(2):
+                opt.zero_grad()
+                x, y = batch(i)
+                F.mse_loss(ddp(x), y).backward()
+                opt.step()
+            assert all(not torch.equal(a, b) for a, b in zip(before, amp_patch.master_params(opt)))
+        wrapped = nn.parallel.DistributedDataParallel(mlp())
+        with pytest.raises(ConfigError, match="initialize on the plain model first"):
+            amp_patch.initialize(wrapped, None, "O2", verbosity=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_closure_optimizer_runs_at_o2_in_bf16():
+    model = mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    x, y = batch()
+    with amp(model, opt, "O2"):
+        start = F.mse_loss(model(x), y).item()
+
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        for _ in range(3):
+            opt.step(closure)
+        assert F.mse_loss(model(x), y).item() < 0.9 * start

@@ -117,7 +117,7 @@ def test_yaml_bomb_is_refused(tmp_path):
 def test_yaml_tags_are_not_executed(tmp_path):
     evil = tmp_path / "evil.yaml"
     evil.write_text("torch:\n  half: !!python/object/apply:os.system ['echo pwned']\n")
-    with pytest.raises(ListError, match="malformed YAML"):
+    with pytest.raises(ListError, match=r"evil.yaml:2: YAML tag 'tag:yaml.org,2002:python/object/apply:os.system' is not allowed"):
         load(str(evil))
 
 

@@ -7,9 +7,9 @@ its ``Tensor`` method form), under FP16 and under BF16:
   before ``initialize``) called on inputs cast by hand as its policy says:
   ``half`` to the half dtype, ``float`` to FP32, ``promote`` to the widest
   input dtype, in-place ops to the receiver's dtype; ``banned`` raises
-  ``BannedOpError`` under FP16 and runs in FP32 under BF16; an op with no
-  entry for that dtype is left unpatched (the very same object);
-* every floating-point output has the dtype the policy runs the op in.
+  ``BannedOpError`` under FP16 and runs in FP32 under BF16;
+* every floating-point output has the dtype the policy runs the op in;
+* an op whose entries are all for the other dtype is left unpatched.
 
 Each op runs on three input sets built from its sample in
 ``tests/op_samples.py``: all FP32, all in the half dtype, and mixed (the first
@@ -94,7 +94,9 @@ def warning_registries_exist():
     every call) creates that dict in the module, which the autouse fixture
     of conftest.py would report as an attribute left on torch.
     """
-    created = [m for m in NAMESPACES.values() if isinstance(m, types.ModuleType) and "__warningregistry__" not in vars(m)]
+    created = [
+        m for m in NAMESPACES.values() if isinstance(m, types.ModuleType) and "__warningregistry__" not in vars(m)
+    ]
     for mod in created:
         mod.__warningregistry__ = {}
     yield
@@ -166,6 +168,11 @@ for _m, _fns in METHOD_FORMS.items():
     FORMS.setdefault(_m, _fns[0])
 
 
+_ENTRIES_BY_NAME: Dict[str, List[oplists.Entry]] = {}
+for _e in ENTRIES:
+    _ENTRIES_BY_NAME.setdefault(_e.qualname, []).append(_e)
+
+
 def policy(qualname: str, dname: str) -> Tuple[Optional[str], Optional[oplists.Entry]]:
     """The policy the lists give ``qualname`` under ``dname`` on CPU, and its entry.
 
@@ -173,8 +180,8 @@ def policy(qualname: str, dname: str) -> Tuple[Optional[str], Optional[oplists.E
     the entry whose ``when`` matches; ``banned`` runs in FP32 under BF16.
     """
     ctx = {"dtype": dname, "device": "cpu"}
-    for e in ENTRIES:
-        if e.qualname == qualname and all(ctx[k] == v for k, v in e.when):
+    for e in _ENTRIES_BY_NAME.get(qualname, ()):
+        if all(ctx[k] == v for k, v in e.when):
             if e.policy == "banned" and dname == "bfloat16":
                 return "float", e
             return e.policy, e
@@ -242,7 +249,9 @@ def with_variant(sample: Tuple[tuple, dict], variant: str, half: torch.dtype) ->
 
 def require_sample(form: str) -> None:
     if op_samples.lookup(form) is None:
-        hint = " (or for its function form: a Tensor method uses that sample)" if form.startswith("torch.Tensor.") else ""
+        hint = ""
+        if form.startswith("torch.Tensor."):
+            hint = " (or for its function form: a Tensor method uses that sample)"
         pytest.fail(f"{form} is in the op lists but tests/op_samples.py has no sample inputs for it; add one: "
                     f"@sample({form!r}) returning (args, kwargs) of small FP32 tensors{hint}")
 
@@ -296,7 +305,9 @@ def assert_same(got: Any, want: Any, where: str, strict: bool = True) -> None:
     """``got`` equals ``want`` bit for bit; ``strict=False`` accepts another tuple type."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), f"{where}: got {type(got).__name__}, want a tensor"
-        assert got.dtype == want.dtype, f"{where}: dtype {got.dtype}, the original on hand-cast inputs gives {want.dtype}"
+        assert got.dtype == want.dtype, (
+            f"{where}: dtype {got.dtype}, the original on hand-cast inputs gives {want.dtype}"
+        )
         assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
         assert same_tensor(got, want), f"{where}: values differ from the original on hand-cast inputs"
     elif isinstance(want, (tuple, list)):
@@ -316,7 +327,8 @@ def assert_same_outcome(got: Outcome, want: Outcome, where: str) -> None:
     if want.error is not None:
         assert got.error is not None, f"{where}: returned, but the original on hand-cast inputs raises {want.error!r}"
         assert type(got.error) is type(want.error), f"{where}: raised {got.error!r}, the original raises {want.error!r}"
-        assert str(got.error).splitlines()[:1] == str(want.error).splitlines()[:1], f"{where}: {got.error} != {want.error}"
+        same_message = str(got.error).splitlines()[:1] == str(want.error).splitlines()[:1]
+        assert same_message, f"{where}: {got.error} != {want.error}"
         return
     assert got.error is None, f"{where}: raised {got.error!r}; the original on hand-cast inputs returns"
     assert_same(got.value, want.value, f"{where} output")
@@ -337,7 +349,9 @@ def test_every_listed_op_has_a_sample():
 def test_method_form_exclusions_are_real_methods():
     for q, why in op_samples.METHOD_FORM_EXCLUDED.items():
         ns, name = split(q)
-        assert q in LISTED, f"{q} is excluded from method forms but is not in the lists; drop it from METHOD_FORM_EXCLUDED"
+        assert q in LISTED, (
+            f"{q} is excluded from method forms but is not in the lists; drop it from METHOD_FORM_EXCLUDED"
+        )
         assert hasattr(torch.Tensor, name), f"Tensor.{name} does not exist; drop {q} from METHOD_FORM_EXCLUDED ({why})"
 
 
@@ -392,7 +406,18 @@ def expected_outcome(form: str, pol: str, half: torch.dtype, original: Any,
     return run(lambda: original(*cargs, **ckwargs), (args, kwargs)), to, None
 
 
-GENERATED = [(f, d) for f in FORMS for d in DNAMES]
+GENERATED = [(f, d) for f in FORMS for d in DNAMES if policy(FORMS[f], d)[0] is not None]
+UNLISTED = {d: [f for f in FORMS if policy(FORMS[f], d)[0] is None] for d in DNAMES}
+
+
+@pytest.mark.parametrize("dname", DNAMES)
+def test_ops_without_an_entry_for_the_dtype_are_left_unpatched(dname, o1):
+    """An op whose entries all have ``when`` for the other dtype keeps its original object."""
+    assert UNLISTED[dname], f"no op is specific to the other dtype under {dname}; this test checks nothing"
+    originals = {f: getattr(NAMESPACES[split(f)[0]], split(f)[1], None) for f in UNLISTED[dname]}
+    o1(HALF[dname])
+    patched = [f for f, orig in originals.items() if getattr(NAMESPACES[split(f)[0]], split(f)[1], None) is not orig]
+    assert not patched, f"patched under {dname} without an entry for it: {patched}"
 
 
 @pytest.mark.parametrize("form,dname", GENERATED, ids=[f"{short(f)}-{d}" for f, d in GENERATED])
@@ -405,12 +430,6 @@ def test_patched_op_matches_original_on_hand_cast_inputs(form, dname, o1):
     owner = NAMESPACES[ns]
     pol, entry = policy(FORMS[form], dname)
     original = getattr(owner, name)
-
-    if pol is None:
-        # No entry under this dtype: the op must be left exactly as it was.
-        o1(half)
-        assert getattr(owner, name) is original, f"{form} has no entry under {dname} but was patched"
-        return
 
     # Everything is built with torch unpatched (the samples themselves call
     # torch ops); the references are the original op on hand-cast inputs.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -302,3 +303,53 @@ def test_plot_without_matplotlib_names_the_extra(amp_run, tmp_path, monkeypatch)
     with pytest.raises(ImportError, match=r"pip install 'amp_patch\[plot\]'"):
         amp_patch.plot(tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_from_a_real_scalers_history(tmp_path):
+    pytest.importorskip("matplotlib")
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # FP16 with a scale so high the first steps overflow and back off.
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.float16,
+                                      init_scale=2.0 ** 40, max_loss_scale=2.0 ** 40, verbosity=0)
+    try:
+        x, y = _data()
+        for _ in range(4):
+            _step(model, opt, x, y)
+        s = amp_patch.report().loss_scale[0]
+        assert s["steps"] == 4 and s["skipped"] >= 1 and s["history"][0][2] is True
+        amp_patch.plot(tmp_path / "real.png")
+    finally:
+        amp_patch.deinitialize()
+    assert (tmp_path / "real.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _fp16_history(**options):
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(B, D_IN, generator=g) * 30, torch.randn(B, D_OUT, generator=g)) for _ in range(8)]
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.float16,
+                                      init_scale=2.0 ** 24, verbosity=0, **options)
+    try:
+        for x, y in data:
+            _step(model, opt, x, y)
+        rep = amp_patch.report()
+        return rep.loss_scale[0]["history"], rep.ops, [p.detach().clone() for p in model.parameters()]
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_watching_does_not_change_training_and_skips_amp_patchs_own_calls():
+    plain, _, plain_weights = _fp16_history()
+    assert any(skipped for _, _, skipped in plain)  # the scale backs off at least once
+    for options in (dict(collect_stats=True), dict(find_overflow=True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # find_overflow explains each skipped step
+            history, ops, weights = _fp16_history(**options)
+        assert history == plain, options
+        assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights)), options
+        if options.get("collect_stats"):
+            # only the model's ops: the loss scaler's arithmetic is not counted
+            assert sorted(ops) == ["torch.nn.functional.linear", "torch.nn.functional.mse_loss"]

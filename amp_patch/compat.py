@@ -1,0 +1,72 @@
+"""Checks against torch wrappers that own a model's parameters, run before
+``initialize`` changes anything.
+
+FSDP (``torch.distributed.fsdp.fully_shard`` and the older
+``FullyShardedDataParallel``) shards a model's parameters, replaces them with
+DTensors or flat parameters, and all-gathers them in the dtype its own
+mixed-precision policy names. Casting such a model to half and giving its
+optimizer FP32 masters (O2/O3/O5) would fight FSDP over the same tensors, so
+those levels refuse an FSDP model and say what to use instead. O1/O4 leave
+the parameters alone (they patch functions) and work with FSDP.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def fsdp_wrapped(model: nn.Module) -> List[Tuple[str, str]]:
+    """``(dotted name, "fully_shard" | "FullyShardedDataParallel")`` for each
+    FSDP-managed module in ``model`` (the root is named ``"<model>"``)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return []  # never imported: nothing can be wrapped by it
+    kinds = [(getattr(fsdp, "FSDPModule", None), "fully_shard"),
+             (getattr(fsdp, "FullyShardedDataParallel", None), "FullyShardedDataParallel")]
+    kinds = [(cls, name) for cls, name in kinds if isinstance(cls, type)]
+    found = []
+    for name, m in model.named_modules():
+        for cls, kind in kinds:
+            if isinstance(m, cls):
+                found.append((name or "<model>", kind))
+                break
+    return found
+
+
+def check_models(models: Sequence[nn.Module], props: Any) -> None:
+    """Refuse to cast an FSDP model to half precision.
+
+    Raises:
+        ConfigError: naming the model, the wrapped module and what to use.
+    """
+    if props.cast_model_type not in _LOW and not props.master_weights:
+        return
+    half = str(props.cast_model_type).replace("torch.", "")
+    for i, m in enumerate(models):
+        found = fsdp_wrapped(m)
+        if not found:
+            continue
+        where, kind = found[0]
+        if kind == "fully_shard":
+            native = (
+                "fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                "reduce_dtype=torch.float32))"
+            )
+        else:
+            native = (
+                "FullyShardedDataParallel(module, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, "
+                "reduce_dtype=torch.float32))"
+            )
+        raise ConfigError(
+            f"model {i} ({type(m).__name__}) is sharded by FSDP ({kind} on {where}), which owns its "
+            f"parameters and their dtype; opt_level={props.opt_level!r} would cast them to {half} and keep "
+            f"FP32 masters beside FSDP's shards. Use opt_level='O1' (or 'O4' for BF16), which leaves the "
+            f"parameters alone, or let FSDP keep the FP32 weights and compute in half itself: {native}."
+        )

@@ -1,0 +1,220 @@
+"""Checkpoints of half-precision models: FP32 state dicts from the masters,
+loading into the masters, and bit-exact resume in a fresh process."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_patch
+from amp_patch.errors import StateError
+
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+
+# The first pickling of a tensor in a process caches copyreg's __slotnames__ on
+# torch.Tensor; do it now so the leak check around each test does not see it.
+torch.save(torch.zeros(1), __import__("io").BytesIO())
+
+# The same recipe runs here and in the fresh process that resumes.
+RECIPE = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import amp_patch
+
+    CONFIGS = {
+        "o2_fp16": dict(opt_level="O2", half_dtype=torch.float16, init_scale=2.0**14, growth_interval=3),
+        "o2_bf16": dict(opt_level="O2", half_dtype=torch.bfloat16),
+        "o1_fp16": dict(opt_level="O1", half_dtype=torch.float16, growth_interval=3),
+    }
+
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+    def start(cfg):
+        model, opt = build()
+        return amp_patch.initialize(model, opt, verbosity=0, **CONFIGS[cfg])
+
+
+    def step(model, opt, i, cfg):
+        g = torch.Generator().manual_seed(1000 + i)
+        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x).float(), y)
+        if i == 2 and "fp16" in cfg:
+            loss = loss * float("inf")  # a skipped step, and the scale backs off
+        loss.backward()
+        opt.step()
+
+
+    def snapshot(model, opt):
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp_patch.state_dict()}
+
+
+    def resume(directory, first, last):
+        out = {}
+        for cfg in CONFIGS:
+            ckpt = torch.load(f"{directory}/ckpt_{cfg}.pt", weights_only=True)
+            model, opt = start(cfg)
+            try:
+                model.load_state_dict(ckpt["model"])
+                opt.load_state_dict(ckpt["opt"])
+                amp_patch.load_state_dict(ckpt["amp"])
+                for i in range(first, last):
+                    step(model, opt, i, cfg)
+                out[cfg] = snapshot(model, opt)
+            finally:
+                amp_patch.deinitialize()
+        torch.save(out, f"{directory}/resumed.pt")
+
+
+    if __name__ == "__main__":
+        import sys
+
+        resume(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    """
+)
+recipe: dict = {}
+exec(compile(RECIPE, "<recipe>", "exec"), recipe)
+
+
+@contextlib.contextmanager
+def amp(*args, **kwargs):
+    kwargs.setdefault("verbosity", 0)
+    out = amp_patch.initialize(*args, **kwargs)
+    try:
+        yield out
+    finally:
+        amp_patch.deinitialize()
+
+
+def trained_o2(steps=3, **kwargs):
+    model, opt = recipe["build"]()
+    amp_patch.initialize(model, opt, "O2", verbosity=0, **kwargs)
+    for i in range(steps):
+        recipe["step"](model, opt, i, "bf16")
+    return model, opt
+
+
+def equal_trees(a, b, path="") -> list:
+    """Paths where two nested state dicts differ (tensors compared bit for bit)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        ok = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        return [] if ok else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path} keys {sorted(map(str, set(a) ^ set(b)))}"]
+        return [p for k in a for p in equal_trees(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path} length"]
+        return [p for i, (x, y) in enumerate(zip(a, b)) for p in equal_trees(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+# ------------------------------------------------------------------ state_dict
+
+
+def test_state_dict_is_fp32_from_the_masters_and_loads_into_a_plain_model():
+    model, opt = trained_o2()
+    try:
+        masters = list(amp_patch.master_params(opt))
+        sd = model.state_dict()
+        assert {k: v.dtype for k, v in sd.items()} == {k: v.dtype for k, v in recipe["build"]()[0].state_dict().items()}
+        # the half-cast layers come from their masters, exactly (not the rounded half values)
+        for key, m in zip(["0.weight", "0.bias", "3.weight", "3.bias"], [masters[0], masters[1], masters[4], masters[5]]):
+            assert torch.equal(sd[key], m) and not torch.equal(sd[key], sd[key].to(bf16).float())
+        # a submodule's own state dict is converted too
+        assert torch.equal(model[0].state_dict()["weight"], masters[0])
+        kept = model.state_dict(keep_vars=True)
+        assert kept["0.weight"] is masters[0] and kept["1.weight"] is model[1].weight
+    finally:
+        amp_patch.deinitialize()
+    plain = recipe["build"]()[0]
+    plain.load_state_dict(sd)  # strict: same keys, same dtypes as FP32 training
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in sd.items())
+
+
+def test_save_dtype_chooses_what_the_state_dict_holds():
+    model, opt = trained_o2(save_dtype="bfloat16")
+    try:
+        sd = model.state_dict()
+        assert sd["0.weight"].dtype == bf16 and torch.equal(sd["0.weight"], model[0].weight.detach())
+        assert sd["1.running_mean"].dtype == f32  # kept FP32, saved as it is
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_load_state_dict_after_initialize_sets_the_masters_exactly():
+    source, _ = recipe["build"]()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)  # values BF16 cannot hold
+    state = source.state_dict()
+    model, opt = recipe["build"]()
+    with amp(model, opt, "O2"):
+        model.load_state_dict(state)
+        masters = list(amp_patch.master_params(opt))
+        for m, (k, p) in zip(masters, [(k, v) for k, v in source.named_parameters()]):
+            assert torch.equal(m, p)
+        assert torch.equal(model[0].weight, state["0.weight"].to(bf16))
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        with pytest.raises(StateError, match="assign=True"):
+            model.load_state_dict(state, assign=True)
+
+
+def test_optimizer_state_dict_round_trips_onto_the_masters():
+    model, opt = trained_o2()
+    try:
+        saved = opt.state_dict()
+    finally:
+        amp_patch.deinitialize()
+    model2, opt2 = recipe["build"]()
+    with amp(model2, opt2, "O2"):
+        opt2.load_state_dict(saved)
+        masters = list(amp_patch.master_params(opt2))
+        assert all(m in opt2.state and opt2.state[m]["exp_avg"].dtype == f32 for m in masters)
+        assert not equal_trees(opt2.state_dict(), saved)
+
+
+# ------------------------------------------------------------------ resume
+
+
+def test_resume_in_a_fresh_process_is_bit_exact(tmp_path):
+    first, last = 3, 6  # the overflow (step 2) before the save, a scale growth after it
+    uninterrupted = {}
+    for cfg in recipe["CONFIGS"]:
+        model, opt = recipe["start"](cfg)
+        try:
+            for i in range(last):
+                if i == first:
+                    torch.save(recipe["snapshot"](model, opt), tmp_path / f"ckpt_{cfg}.pt")
+                recipe["step"](model, opt, i, cfg)
+            uninterrupted[cfg] = recipe["snapshot"](model, opt)
+            if "fp16" in cfg:
+                assert amp_patch.counters()["skipped"] == 1
+        finally:
+            amp_patch.deinitialize()
+    worker = tmp_path / "worker.py"
+    worker.write_text(RECIPE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), str(first), str(last)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    for cfg in recipe["CONFIGS"]:
+        diff = equal_trees(uninterrupted[cfg], resumed[cfg], cfg)
+        assert not diff, diff[:5]

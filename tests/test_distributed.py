@@ -1,0 +1,364 @@
+"""torch.distributed under amp_patch: DDP and FSDP with gloo, two CPU processes.
+
+Two worker processes (this file run as a script) train every scenario below
+once and save what they ended with; the tests compare the ranks' results.
+One pair of processes serves the whole module, because starting them (and
+importing torch twice) is most of the cost.
+
+Scenarios:
+  * DDP under O1..O5, FP16 and BF16: the ranks end bitwise identical.
+  * An inf on one rank only: every rank skips the same step (DDP's all-reduce
+    spreads it; with ``no_sync()`` accumulation, and with unrelated models per
+    rank, amp_patch all-reduces the overflow flag itself).
+  * FSDP ``fully_shard`` under O1 (function patching) trains and matches DDP;
+    O2 on an FSDP model (``fully_shard`` or ``FullyShardedDataParallel``) is
+    refused at ``initialize`` with a message that names the alternatives.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+WORLD = 2
+STEPS = 5
+BAD_STEP = 2  # the step (0-based) at which rank 1 sees an inf
+DDP_CASES = [
+    ("O1", "float16"), ("O1", "bfloat16"), ("O2", "float16"), ("O2", "bfloat16"),
+    ("O3", "float16"), ("O3", "bfloat16"), ("O4", "bfloat16"), ("O5", "bfloat16"),
+]
+INF_CASES = ["inf-O1-plain", "inf-O2-scale_loss", "nosync-O1", "nosync-O2", "separate-models-O1"]
+FSDP_CASES = ["fsdp-O1-bfloat16", "fsdp-O1-float16"]
+REFUSED = ["fsdp2-O2", "fsdp1-O2"]
+
+# ============================================================ the worker side
+
+
+def _net(seed=0, norm="batch"):
+    torch.manual_seed(seed)
+    layers = [nn.Linear(16, 32)]
+    if norm == "batch":
+        layers.append(nn.BatchNorm1d(32))  # buffers that DDP broadcasts
+    layers += [nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4)]
+    return nn.Sequential(*layers)
+
+
+def _batches(rank, n=STEPS, micro=1):
+    # Each rank sees different data, so only the all-reduce makes them agree.
+    g = torch.Generator().manual_seed(100 + rank)
+    return [[(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(micro)] for _ in range(n)]
+
+
+def _snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _raw(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _ddp_case(rank, level, half):
+    import amp_patch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    start = _snapshot(model)
+    model, opt = amp_patch.initialize(model, opt, level, half_dtype=getattr(torch, half))
+    try:
+        ddp = DDP(model)
+        seen = []
+        model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        losses = []
+        for (x, t), in _batches(rank):
+            opt.zero_grad()
+            loss = F.mse_loss(ddp(x).float(), t)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        masters = [p.detach().clone() for p in amp_patch.master_params(opt)]
+        return dict(state=_snapshot(model), raw=_raw(model), masters=masters, losses=losses,
+                    start=start, linear_dtype=str(seen[-1]), counters=amp_patch.counters())
+    finally:
+        amp_patch.deinitialize()
+
+
+def _inf_case(rank, name):
+    """An inf in rank 1's input at BAD_STEP; record every rank's state after each step."""
+    import amp_patch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    level = "O2" if "O2" in name else "O1"
+    separate = name.startswith("separate")
+    micro = 2 if name.startswith("nosync") else 1
+    model = _net(seed=rank if separate else 0, norm="layer")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = amp_patch.initialize(model, opt, level, half_dtype=torch.float16)
+    try:
+        net = model if separate else DDP(model)
+        states, scales, skipped = [_snapshot(model)], [amp_patch.counters()["loss_scale"][0]], []
+        for step, batch in enumerate(_batches(rank, micro=micro)):
+            opt.zero_grad()
+            for k, (x, t) in enumerate(batch):
+                if step == BAD_STEP and rank == 1 and k == 0:
+                    x = x.clone()
+                    x[0, 0] = float("inf")
+                last = k == len(batch) - 1
+                # no_sync(): the first micro-batch's gradients stay local to each rank
+                ctx = net.no_sync() if (micro > 1 and not last) else _nothing()
+                with ctx:
+                    loss = F.mse_loss(net(x).float(), t)
+                    if "scale_loss" in name:
+                        with amp_patch.scale_loss(loss, opt) as scaled:
+                            scaled.backward()
+                    else:
+                        loss.backward()
+            opt.step()
+            states.append(_snapshot(model))
+            c = amp_patch.counters()
+            scales.append(c["loss_scale"][0])
+            skipped.append(c["skipped"])
+        return dict(states=states, scales=scales, skipped=skipped)
+    finally:
+        amp_patch.deinitialize()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _full(model):
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+    return out
+
+
+def _fsdp_case(rank, half):
+    import amp_patch
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(wrap):
+        model = _net(norm="layer")
+        if wrap == "fsdp":
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = amp_patch.initialize(model, opt, "O1", half_dtype=getattr(torch, half))
+        try:
+            net = DDP(model) if wrap == "ddp" else model
+            seen = []
+            model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+            losses = []
+            for (x, t), in _batches(rank):
+                opt.zero_grad()
+                loss = F.mse_loss(net(x).float(), t)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            return dict(state=_full(model), losses=losses, linear_dtype=str(seen[-1]), counters=amp_patch.counters())
+        finally:
+            amp_patch.deinitialize()
+
+    return dict(fsdp=train("fsdp"), ddp=train("ddp"))
+
+
+def _refused_case(rank, kind):
+    import amp_patch
+    from amp_patch.oplists import NAMESPACES
+
+    before = {n: dict(vars(o)) for n, o in NAMESPACES.items()}
+    model = _net(norm="layer")
+    if kind == "fsdp2-O2":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model[0])
+        fully_shard(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    dtypes = {p.dtype for p in model.parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        amp_patch.initialize(model, opt, "O2", half_dtype=torch.bfloat16)
+    except Exception as e:
+        error = (type(e).__name__, str(e))
+    else:
+        amp_patch.deinitialize()
+        error = None
+    after = {n: dict(vars(o)) for n, o in NAMESPACES.items()}
+    changed = [f"{n}.{k}" for n in before for k in set(before[n]) | set(after[n]) if before[n].get(k) is not after[n].get(k)]
+    return dict(error=error, changed=changed, initialized=amp_patch.is_initialized(),
+                dtypes_before=sorted(map(str, dtypes)), dtypes_after=sorted({str(p.dtype) for p in model.parameters()}))
+
+
+def _worker(rank, port, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    cases = [(f"ddp-{lvl}-{half}", lambda lvl=lvl, half=half: _ddp_case(rank, lvl, half)) for lvl, half in DDP_CASES]
+    cases += [(name, lambda name=name: _inf_case(rank, name)) for name in INF_CASES]
+    cases += [(name, lambda name=name: _fsdp_case(rank, name.rsplit("-", 1)[1])) for name in FSDP_CASES]
+    cases += [(name, lambda name=name: _refused_case(rank, name)) for name in REFUSED]
+    results = {}
+    for name, run in cases:
+        try:
+            results[name] = run()
+        except Exception:
+            results[name] = {"exception": traceback.format_exc()}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+# ============================================================ the test side
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Run the workers once; return ``[rank0_results, rank1_results]``."""
+    out = tmp_path_factory.mktemp("dist")
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs = [
+        subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(WORLD)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=480)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for r in range(WORLD):
+        path = out / f"rank{r}.pt"
+        assert path.exists(), f"rank {r} saved nothing:\n" + "\n".join(x[-3000:] for x in logs)
+        results.append(torch.load(path, weights_only=False))
+    return results
+
+
+def _case(ranks, name):
+    got = []
+    for r, res in enumerate(ranks):
+        assert name in res, f"rank {r} never finished {name} (an earlier scenario hung or crashed)"
+        assert "exception" not in res[name], f"rank {r}:\n{res[name]['exception']}"
+        got.append(res[name])
+    return got
+
+
+def _assert_identical(a, b, what):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            _assert_identical(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_identical(x, y, f"{what}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{what} differs between the ranks"
+    else:
+        assert a == b, what
+
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("level,half", DDP_CASES)
+def test_ddp_ranks_stay_bitwise_identical(ranks, level, half):
+    r0, r1 = _case(ranks, f"ddp-{level}-{half}")
+    for key in ("state", "raw", "masters"):
+        _assert_identical(r0[key], r1[key], key)
+    # Different data on each rank (different losses), yet one model.
+    assert r0["losses"] != r1["losses"]
+    assert all(torch.isfinite(v).all() for v in r0["state"].values() if v.is_floating_point())
+    changed = [k for k, v in r0["state"].items() if v.is_floating_point() and not torch.equal(v.float(), r0["start"][k].float())]
+    assert "0.weight" in changed and "6.weight" in changed
+    # Low-precision compute, and an FP32 checkpoint (from the masters where they exist).
+    assert r0["linear_dtype"] == f"torch.{half}"
+    assert r0["state"]["0.weight"].dtype == torch.float32
+    assert r0["raw"][0].dtype == (torch.float32 if level in ("O1", "O4") else getattr(torch, half))
+    assert all(m.dtype == torch.float32 for m in r0["masters"]) == (level not in ("O3",))
+    assert r0["counters"]["skipped"] == r1["counters"]["skipped"]
+
+
+@pytest.mark.parametrize("name", INF_CASES)
+def test_inf_on_one_rank_skips_the_same_step_everywhere(ranks, name):
+    r0, r1 = _case(ranks, name)
+    for r in (r0, r1):
+        states, scales = r["states"], r["scales"]
+        # Exactly the bad step was skipped: its weights are the step before's.
+        assert r["skipped"][BAD_STEP:] == [1] * (STEPS - BAD_STEP)
+        assert r["skipped"][:BAD_STEP] == [0] * BAD_STEP
+        for k in states[0]:
+            assert torch.equal(states[BAD_STEP + 1][k], states[BAD_STEP][k]), k
+        for s in (1, BAD_STEP, STEPS):
+            assert not torch.equal(states[s]["0.weight"], states[s - 1]["0.weight"]), s
+        assert scales[BAD_STEP + 1] == scales[BAD_STEP] / 2
+        assert all(torch.isfinite(v).all() for v in states[-1].values())
+    _assert_identical(r0["scales"], r1["scales"], "loss scale")
+    if name.startswith("separate"):
+        assert not torch.equal(r0["states"][0]["0.weight"], r1["states"][0]["0.weight"])
+    else:
+        _assert_identical(r0["states"], r1["states"], "weights")
+
+
+@pytest.mark.parametrize("name", FSDP_CASES)
+def test_fsdp_fully_shard_under_o1_matches_ddp(ranks, name):
+    half = name.rsplit("-", 1)[1]
+    r0, r1 = _case(ranks, name)
+    _assert_identical(r0["fsdp"]["state"], r1["fsdp"]["state"], "full state")
+    for r in (r0, r1):
+        fsdp, ddp = r["fsdp"], r["ddp"]
+        assert fsdp["linear_dtype"] == f"torch.{half}"
+        assert fsdp["losses"][-1] < fsdp["losses"][0]
+        assert fsdp["counters"]["skipped"] == ddp["counters"]["skipped"]
+        for k, v in fsdp["state"].items():
+            assert v.dtype == torch.float32, k
+            torch.testing.assert_close(v, ddp["state"][k], rtol=1e-4, atol=1e-5)
+        assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-3)
+
+
+@pytest.mark.parametrize("kind", REFUSED)
+def test_o2_on_an_fsdp_model_is_refused_with_a_clear_error(ranks, kind):
+    for r in _case(ranks, kind):
+        assert r["error"] is not None, "initialize accepted an FSDP model at O2"
+        cls, msg = r["error"]
+        assert cls == "ConfigError"
+        assert "FSDP" in msg and "opt_level='O1'" in msg and "MixedPrecision" in msg
+        assert ("fully_shard" if kind == "fsdp2-O2" else "FullyShardedDataParallel") in msg
+        assert r["changed"] == [] and not r["initialized"]
+        assert r["dtypes_after"] == r["dtypes_before"] == ["torch.float32"]
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
