@@ -121,7 +121,7 @@ def _take_off(mode: TorchFunctionMode) -> None:
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, wrapt))
 #: amp_patch's op machinery: frames of the op call itself, never its caller
-_MACHINERY = frozenset(_PKG_DIR + f for f in ("wrappers.py", "_cast.py", "_modes.py", "stats.py", "diagnostics.py"))
+_MACHINERY = frozenset(_PKG_DIR + f for f in ("wrappers.py", "_cast.py", "_modes.py"))
 #: code in the package that runs as a user would (a training loop)
 _USER_LIKE = frozenset(_PKG_DIR + f for f in ("demo.py",))
 

@@ -23,6 +23,10 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import amp_patch
+
+from .stats import dtype_name
+
 MODES = ("FP32", "O1", "O2")
 FULL = dict(size=4096, batch_size=512, batches=50, epochs=5)
 
@@ -48,6 +52,8 @@ class SimpleNet(nn.Module):
 
 @dataclasses.dataclass
 class Result:
+    """One row of the table; ``unavailable`` says why a mode did not run."""
+
     mode: str
     ms_per_step: float = 0.0
     final_loss: float = 0.0
@@ -164,7 +170,7 @@ class _Progress:
         if self.bar is not None:
             self.bar.close()
         elif self.enabled:
-            sys.stderr.write("\r" + " " * (self.label.__len__() + 45) + "\r")
+            sys.stderr.write("\r" + " " * (len(self.label) + 45) + "\r")
             sys.stderr.flush()
 
 
@@ -190,15 +196,13 @@ def _layer_dtypes(model: nn.Module, x: torch.Tensor, label: torch.Tensor, loss_f
         key = (name.rstrip("0123456789"), dtype)
         groups[key] = groups.get(key, 0) + 1
     return ", ".join(
-        f"{kind}{f' x{n}' if n > 1 else ''} {str(dt).replace('torch.', '')}" for (kind, dt), n in groups.items()
+        f"{kind}{f' x{n}' if n > 1 else ''} {dtype_name(dt)}" for (kind, dt), n in groups.items()
     )
 
 
 def run(mode: str, data: Sequence[Tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace,
         device: torch.device) -> Result:
     """Train a fresh SimpleNet in ``mode`` ("FP32" or an opt level) and measure it."""
-    import amp_patch
-
     torch.manual_seed(args.seed)
     model = SimpleNet(args.size, args.size).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)

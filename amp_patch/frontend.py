@@ -212,6 +212,8 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
             amp.patcher.apply([(torch.Tensor, "backward", scaling.make_backward_patch(amp))])
             if props.patch_torch_functions:
                 amp.patcher.apply(_patch_items(amp))
+                if amp.ledger is not None:
+                    amp.ledger.start(amp)
             if options.get("find_overflow"):
                 from . import diagnostics
 

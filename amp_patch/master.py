@@ -9,9 +9,11 @@ Gradients flow half model -> FP32 masters: ``absorb`` copies the model's half
 gradients into one persistent FP32 buffer per master (reused every step, so no
 allocation on the hot path), where the loss scaler unscales and checks them in
 place, and drops the half gradients so the next backward starts fresh (autograd
-then adopts its own result instead of adding into an old buffer). A second
-backward before the step adds into the masters' gradients, so accumulation
-happens in FP32; a step consumes the sum, so the next backward starts a new one
+then adopts its own result instead of adding into an old buffer). In a single
+process a second backward before the step first moves the half gradients into
+the masters, so accumulation happens in FP32 (under ``torch.distributed`` they
+accumulate in the model, where DDP reduces the whole sum). A step consumes the
+sum, so the next backward starts a new one
 (``model.zero_grad()``, which cannot reach the masters, is enough between
 steps). After the optimizer steps the masters, ``refresh`` copies
 them into the half model. Both run as one multi-tensor (``torch._foreach_*``)

@@ -30,6 +30,18 @@ def _current(what: str) -> Any:
     return amp
 
 
+def history_entry(item: Any) -> Optional[Tuple[int, float, bool]]:
+    """One history entry as ``(step, scale, skipped)``, or None if it is not one."""
+    try:
+        if isinstance(item, (tuple, list)):
+            step, scale, skipped = item[0], item[1], item[2]
+        else:
+            step, scale, skipped = item.step, item.scale, item.skipped
+        return int(step), float(scale), bool(skipped)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
+
+
 def read_history(scaler: Any) -> Optional[History]:
     """A scaler's ``history`` as ``[(step, scale, skipped), ...]``, or None.
 
@@ -39,17 +51,7 @@ def read_history(scaler: Any) -> Optional[History]:
     raw = getattr(scaler, "history", None)
     if raw is None:
         return None
-    rows: History = []
-    for item in list(raw):
-        try:
-            if isinstance(item, (tuple, list)):
-                step, scale, skipped = item[0], item[1], item[2]
-            else:
-                step, scale, skipped = item.step, item.scale, item.skipped
-            rows.append((int(step), float(scale), bool(skipped)))
-        except (AttributeError, IndexError, TypeError, ValueError):
-            continue
-    return rows
+    return [e for e in map(history_entry, list(raw)) if e is not None]
 
 
 def scale_histories(amp: Any) -> List[Tuple[int, History]]:

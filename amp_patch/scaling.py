@@ -198,9 +198,19 @@ def handle(amp: Any, optimizer: torch.optim.Optimizer) -> Handle:
     return h
 
 
-def _is_rank0() -> bool:
+def _home_device(amp: Any) -> torch.device:
+    if amp.device_type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(amp.device_type)
+
+
+def _distributed() -> bool:
     dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_rank0() -> bool:
+    return not _distributed() or torch.distributed.get_rank() == 0
 
 
 # ------------------------------------------------------------------ the state machine
@@ -254,14 +264,22 @@ def _stash(h: Handle) -> None:
 
 
 def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
-    """Get gradients ready for a backward of ``loss_id`` into ``handles``."""
+    """Get gradients ready for a backward of ``loss_id`` into ``handles``.
+
+    Gradients of the same loss keep accumulating where autograd puts them
+    (scaled; unscaled once at the step), except that a single process moves
+    O2's half gradients into the FP32 masters first, so accumulation happens in
+    FP32. Under ``torch.distributed`` they stay in the model, where DDP's
+    ``no_sync()`` accumulation expects the whole sum at the last backward.
+    Gradients of another scale are unscaled before they could mix.
+    """
     scaled = run.scalers[loss_id].active
+    fp32_sum = not _distributed()
     for h in handles:
         if h.pending is not None:
-            has_masters = h.masters is not None and len(h.masters)
-            if h.pending == loss_id and not has_masters:
-                continue  # same scale: keep accumulating scaled gradients, unscale once
-            # O2 accumulates in the FP32 masters; a different scale must not mix with this one
+            to_masters = fp32_sum and h.masters is not None and len(h.masters)
+            if h.pending == loss_id and not to_masters:
+                continue
             transfer(run, h)
         if h.unscaled and scaled:
             _stash(h)
@@ -284,19 +302,17 @@ def _verdict(run: Run) -> None:
     stuck: List[int] = []
     if run.checked:
         scalers = run.scalers
-        flags = None
-        if run.found:
-            dev = next(iter(run.found))[1]
-            per_loss = [torch.zeros((), device=dev) for _ in scalers]
-            for (l, d), f in run.found.items():
-                per_loss[l] = per_loss[l] + f.to(dev)
-            flags = torch.stack(per_loss)
-            dist = torch.distributed
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            flags = flags.tolist()  # the one sync of the step
+        dev = next(iter(run.found))[1] if run.found else _home_device(run.amp)
+        per_loss = [torch.zeros((), device=dev) for _ in scalers]
+        for (l, d), f in run.found.items():
+            per_loss[l] = per_loss[l] + f.to(dev)
+        flags = torch.stack(per_loss)
+        if _distributed():
+            # every rank reaches this point once per step, so the collective pairs up
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        flags = flags.tolist()  # the one host sync of the step
         for l in sorted(run.checked):
-            overflow[l] = bool(flags is not None and flags[l] > 0)
+            overflow[l] = flags[l] > 0
         run.found.clear()
         run.checked.clear()
         for l, bad in overflow.items():

@@ -52,9 +52,11 @@ def _net(seed=0, norm="batch"):
 
 
 def _batches(rank, n=STEPS, micro=1):
-    # Each rank sees different data, so only the all-reduce makes them agree.
+    """The same ``micro`` batches every step (so the loss falls), different on each
+    rank (so only the all-reduce makes the ranks agree)."""
     g = torch.Generator().manual_seed(100 + rank)
-    return [[(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(micro)] for _ in range(n)]
+    batch = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(micro)]
+    return [batch] * n
 
 
 def _snapshot(model):
@@ -70,7 +72,9 @@ def _ddp_case(rank, level, half):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = _net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # O3 has no masters: Adam's eps (1e-8) would vanish in the FP16 weights it updates.
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if level == "O3" else \
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
     start = _snapshot(model)
     model, opt = amp_patch.initialize(model, opt, level, half_dtype=getattr(torch, half))
     try:
@@ -84,6 +88,11 @@ def _ddp_case(rank, level, half):
             loss.backward()
             opt.step()
             losses.append(loss.item())
+        # Each rank's last training forward updated its batchnorm statistics
+        # from its own batch; an eval forward takes rank 0's, as DDP does.
+        ddp.eval()
+        with torch.no_grad():
+            ddp(x)
         masters = [p.detach().clone() for p in amp_patch.master_params(opt)]
         return dict(state=_snapshot(model), raw=_raw(model), masters=masters, losses=losses,
                     start=start, linear_dtype=str(seen[-1]), counters=amp_patch.counters())

@@ -470,6 +470,14 @@ def test_distributed_data_parallel_wraps_the_converted_model(tmp_path):
                 F.mse_loss(ddp(x), y).backward()
                 opt.step()
             assert all(not torch.equal(a, b) for a, b in zip(before, amp_patch.master_params(opt)))
+            # no_sync() accumulation: the half gradients stay in the model, where DDP
+            # reduces the whole sum at the last backward; the step then takes that sum
+            opt.zero_grad()
+            with ddp.no_sync():
+                F.mse_loss(ddp(batch(5)[0]), batch(5)[1]).backward()
+            F.mse_loss(ddp(batch(6)[0]), batch(6)[1]).backward()
+            summed = [p.grad.float() for p in model.parameters()]
+            assert all(torch.equal(m.grad, g) for m, g in zip(amp_patch.master_params(opt), summed))
         wrapped = nn.parallel.DistributedDataParallel(mlp())
         with pytest.raises(ConfigError, match="initialize on the plain model first"):
             amp_patch.initialize(wrapped, None, "O2", verbosity=0)
