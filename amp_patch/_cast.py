@@ -13,6 +13,7 @@ the version and the next use casts again.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict
 
 import torch
@@ -129,7 +130,16 @@ def cast(obj: Any, to: torch.dtype, cache: CastCache | None, stats=None) -> Any:
             nv = cast(v, to, cache, stats)
             changed = changed or nv is not v
             out[k] = nv
-        return out if changed else obj
+        if not changed:
+            return obj
+        if type(obj) is dict:
+            return out
+        # A dict subclass (an OrderedDict, a Hugging Face ModelOutput, whose
+        # fields are attributes too) keeps its type: copy it, then set the items.
+        new_obj = copy.copy(obj)
+        for k, v in out.items():
+            new_obj[k] = v
+        return new_obj
     return obj
 
 

@@ -167,17 +167,19 @@ class MasterWeights:
 
     def add_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """A param group for ``add_param_group`` with masters for its half parameters."""
-        params = group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        for p in params:
+        entries = group["params"]
+        entries = [entries] if isinstance(entries, Tensor) else list(entries)
+        named = bool(entries) and isinstance(entries[0], tuple)  # [(name, param), ...]
+        tensors = {"params": [e[1] for e in entries] if named else entries}
+        for p in tensors["params"]:
             if self.master_of(p) is not None:
                 raise ValueError(
                     "some parameters appear in more than one parameter group: a parameter of "
                     "add_param_group already has an FP32 master in this optimizer"
                 )
-        group = dict(group, params=params)
-        self.adopt(group, {})
-        return group
+        self.adopt(tensors, {})
+        params = [(e[0], t) for e, t in zip(entries, tensors["params"])] if named else tensors["params"]
+        return dict(group, params=params)
 
     # ------------------------------------------------------------ undo
 

@@ -158,12 +158,11 @@ def resolve(opt_level: Any, device_type: str, half_dtype: Any = None, **override
 
 
 def _check(p: Properties) -> None:
-    if p.master_weights and (p.cast_model_type is None or p.cast_model_type == torch.float32):
+    # With cast_model_type None (O1, or Apex's cast_model_type=False) the model
+    # keeps its own dtypes; whether it holds half parameters that need masters
+    # is checked against the model itself (model.validate).
+    if p.master_weights and p.cast_model_type == torch.float32:
         raise ConfigError(
-            f"master_weights=True with cast_model_type={p.cast_model_type} makes no sense: FP32 master "
+            "master_weights=True with cast_model_type=torch.float32 makes no sense: FP32 master "
             "weights exist to back a half-precision model. Use opt_level='O2' (or O5), or drop master_weights."
-        )
-    if p.keep_batchnorm_fp32 and p.cast_model_type is None:
-        raise ConfigError(
-            "keep_batchnorm_fp32=True needs a model cast to half (O2/O3/O5); at O1 the model stays FP32 already."
         )

@@ -703,19 +703,26 @@ def master_params(optimizer: Any) -> Iterator[Tensor]:
     Args:
         optimizer: an optimizer (or a list of them) passed to ``initialize``.
 
+    Raises:
+        StateError: before ``initialize``, or for an optimizer it did not attach.
+
     Example::
 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(amp_patch.master_params(optimizer), max_norm=1.0)
         optimizer.step()
     """
+    amp = _current("master_params")
     opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    amp = _state.current()
-    if amp is not None:
-        for h in _handles(amp, opts, "master_params"):
-            transfer(h.run, h)
-    for opt in opts:
-        yield from master.params_of(opt)
+    return _unscaled_params(_handles(amp, opts, "master_params"))
+
+
+def _unscaled_params(handles: List[Handle]) -> Iterator[Tensor]:
+    # A generator, so the unscale happens when the parameters are read.
+    for h in handles:
+        transfer(h.run, h)
+    for h in handles:
+        yield from master.params_of(h.optimizer)
 
 
 def adopt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -10,13 +10,11 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import amp_patch
 from amp_patch.errors import StateError
 
-bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+bf16, f32 = torch.bfloat16, torch.float32
 
 # The first pickling of a tensor in a process caches copyreg's __slotnames__ on
 # torch.Tensor; do it now so the leak check around each test does not see it.
@@ -105,7 +103,7 @@ def trained_o2(steps=3, **kwargs):
     model, opt = recipe["build"]()
     amp_patch.initialize(model, opt, "O2", verbosity=0, **kwargs)
     for i in range(steps):
-        recipe["step"](model, opt, i, "bf16")
+        recipe["step"](model, opt, i, "o2_bf16")
     return model, opt
 
 

@@ -540,7 +540,8 @@ def test_calls_in_the_wrong_order_raise_state_errors():
     model = Scale()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for call in (lambda: amp_patch.state_dict(), lambda: amp_patch.load_state_dict({}),
-                 lambda: amp_patch.unscale_(opt), lambda: amp_patch.counters()):
+                 lambda: amp_patch.unscale_(opt), lambda: amp_patch.counters(),
+                 lambda: amp_patch.master_params(opt), lambda: amp_patch.adopt_optimizer(opt)):
         with pytest.raises(StateError, match="initialize"):
             call()
     with pytest.raises(StateError, match="initialize"):
