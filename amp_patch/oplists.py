@@ -111,7 +111,7 @@ class _Reader:
 
     def problem(self, line: Optional[int], path: str, msg: str) -> None:
         loc = f"{self.where}:{line}" if line else self.where
-        self.problems.append(f"{loc}: {path} {msg}".rstrip())
+        self.problems.append(f"{loc}: " + " ".join(part for part in (path, msg) if part))
 
     # -- from a composed YAML node tree (keeps line numbers)
     def read_node(self, root: yaml.Node) -> None:

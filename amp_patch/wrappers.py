@@ -210,10 +210,87 @@ def make_wrapper(
     elif ledger is not None:
         fn = _instrumented(qualname, policy, original, method, plan, cache, ledger, live)
     elif method:
-        fn = _method(original, plan, cache, live)
+        general = _method(original, plan, cache, live)
+        if policy in ("half", "float"):
+            fn = _fixed_method(original, f32 if policy == "float" else half, general, cache, live)
+        else:
+            fn = _promote_method(original, general, cache, live)
     else:
-        fn = _function(original, plan, cache, live)
+        general = _function(original, plan, cache, live)
+        fn = _fixed_function(original, f32 if policy == "float" else half, general, cache, live) if policy in ("half", "float") else general
     return wrapt.FunctionWrapper(original, fn)
+
+
+# The fast wrappers below serve the common call: positional arguments only,
+# casting on, the session live. They scan flat arguments inline and call the
+# original without an empty ``**kwargs``; any other call goes to the general
+# wrapper (``_function`` / ``_method``), which they fall back to unchanged.
+
+
+def _fixed_function(original, to, general, cache, live):
+    castable = CASTABLE - {to}
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if kwargs or disabled or not live.on:
+            return general(wrapped, instance, args, kwargs)
+        for a in args:
+            if isinstance(a, Tensor):
+                if a.dtype in castable:
+                    break
+            elif isinstance(a, (list, tuple, dict)) and needs_cast(a, to):
+                break
+        else:
+            return original(*args)
+        return original(*cast_args(args, to, cache))
+
+    return wrapper
+
+
+def _fixed_method(original, to, general, cache, live):
+    castable = CASTABLE - {to}
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if kwargs or disabled or not live.on or instance is None:
+            return general(wrapped, instance, args, kwargs)
+        if instance.dtype not in castable:
+            for a in args:
+                if isinstance(a, Tensor):
+                    if a.dtype in castable:
+                        break
+                elif isinstance(a, (list, tuple, dict)) and needs_cast(a, to):
+                    break
+            else:
+                return original(instance, *args)
+        return original(cast(instance, to, cache), *cast_args(args, to, cache))
+
+    return wrapper
+
+
+def _promote_method(original, general, cache, live):
+    def wrapper(wrapped, instance, args, kwargs):
+        if kwargs or disabled or not live.on or instance is None:
+            return general(wrapped, instance, args, kwargs)
+        seen = instance.dtype
+        if seen not in CASTABLE:
+            seen = None
+        for a in args:
+            if isinstance(a, Tensor):
+                dt = a.dtype
+                if dt in CASTABLE:
+                    if seen is None:
+                        seen = dt
+                    elif dt is not seen:
+                        break
+            elif isinstance(a, (list, tuple, dict)):
+                seen = _scan(a, seen)
+                if seen is _MIXED:
+                    break
+        else:
+            return original(instance, *args)
+        # a mix of FP32 with either half dtype, or of FP16 with BF16, runs in FP32
+        return original(cast(instance, f32, cache), *cast_args(args, f32, cache))
+
+    return wrapper
 
 
 def _function(original, plan, cache, live):

@@ -82,7 +82,7 @@ ROWS = [
     ("fp16-master-weights-keyword", lambda m: amp_patch.initialize(m, _sgd(m), "O2", master_weights=torch.float16),
      ConfigError, r"master_weights=torch\.float16 must be True, False or None"),
     ("master-weights-without-half-model", lambda m: amp_patch.initialize(m, _sgd(m), "O1", master_weights=True),
-     ConfigError, r"master_weights=True with cast_model_type=None makes no sense.*Use opt_level='O2'"),
+     ConfigError, r"master_weights=True with cast_model_type=\w+ .*drop master_weights"),
     ("optimizer-over-other-parameters", lambda m: amp_patch.initialize(m, _foreign_optimizer(m), "O2"),
      ConfigError, r"param_groups\[0\]\['params'\]\[0\] \(shape \[8, 4\]\) is not a parameter of the model\(s\) passed to initialize"),
     ("model-on-meta-device", lambda m: amp_patch.initialize(_meta_model(), None, "O2"),
@@ -322,7 +322,7 @@ BOMB = "".join(
 
 LIST_ROWS = [
     ("unknown-namespace", lambda d: _write(d / "l.yaml", "torch.nn.functionl:\n  half: [linear]\n"),
-     r"l\.yaml:1: +'torch\.nn\.functionl' is not a known namespace; did you mean 'torch\.nn\.functional'\?"),
+     r"l\.yaml:1: 'torch\.nn\.functionl' is not a known namespace; did you mean 'torch\.nn\.functional'\?"),
     ("unknown-policy", lambda d: _write(d / "l.yaml", "torch.nn.functional:\n  halff: [linear]\n"),
      r"l\.yaml:2: torch\.nn\.functional\.halff is not a policy; did you mean 'half'\?"),
     ("unknown-op", lambda d: _write(d / "l.yaml", "torch.nn.functional:\n  float: [sofmax]\n"),
@@ -334,7 +334,7 @@ LIST_ROWS = [
     ("bad-when-value", lambda d: _write(d / "l.yaml", "torch:\n  float:\n    - {name: mm, when: {dtype: float8}}\n"),
      r"'when\.dtype' of 'mm' is 'float8'; did you mean 'float16'\?"),
     ("not-a-mapping", lambda d: _write(d / "l.yaml", "- torch\n- half\n"),
-     r"l\.yaml:1: +must be a mapping of namespaces"),
+     r"l\.yaml:1: must be a mapping of namespaces"),
     ("malformed-yaml", lambda d: _write(d / "l.yaml", "torch:\n  float: [mm\n"),
      r"l\.yaml:3: malformed YAML"),
     ("huge-file", lambda d: _write(d / "l.yaml", "torch:\n  float: [mm]\n" + "# pad\n" * 200_000),
