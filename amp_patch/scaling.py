@@ -379,7 +379,10 @@ def _step(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = (_AbsorbAfter(closure, run),) + tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
     _verdict(run)
     skip = bool(h.verdict)
-    h.verdict = None
+    if not skip:
+        # A skip verdict stands until the next backward: a second step() with
+        # no backward in between must not apply the overflowed gradients.
+        h.verdict = None
     mw = h.masters
     if skip:
         h.skipped += 1

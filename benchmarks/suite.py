@@ -3,17 +3,21 @@
 This CPU's BF16 matmul speed swings 2-3x within seconds, so one long run per
 mode means nothing. Each mode lives in its own worker process (amp_patch's
 state is per process) and keeps its model and optimizer between blocks. The
-coordinator runs the modes in short blocks of a few steps, rotates their order
-every round, and reports each mode's ratio to the autocast block of the same
-round; the figures are medians over rounds.
+coordinator runs the modes in short blocks (the same number of steps for every
+mode, about half a second for the slowest), rotates their order every round,
+and reports each mode's ratio to the autocast block of the same round; the
+figures are medians over rounds.
 
     python benchmarks/suite.py                     # all workloads, writes benchmarks/RESULTS.md
     python benchmarks/suite.py --workloads simplenet --rounds 5 --no-write
     python benchmarks/suite.py --quick             # tiny sizes, a smoke test
 
-Peak memory is each worker's peak resident set growth (CPU) or peak CUDA
-allocation; MFU is the step's matmul FLOPs over the half-dtype GEMM peak
-measured in the same run.
+Peak memory is each worker's peak resident set growth from before it built
+its workload (CPU) or its peak CUDA allocation; MFU is the step's matmul FLOPs
+over the half-dtype GEMM peak measured in the same run. On CPU each worker runs
+one thread by default and its step time is the process's CPU time, so time the
+core spent on other work on the machine does not count; the wall clock is
+reported next to it.
 """
 from __future__ import annotations
 
@@ -54,20 +58,28 @@ def worker(conn, workload, mode, device, half_name, scale, threads):
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     wl = build(workload, gpu=device == "cuda", scale=scale)
-    runner = Runner(wl, mode, device, half)
-    for _ in range(2):  # warm-up: caches, allocator, first-call paths
+    runner = Runner(wl, mode, device, half, copy_model=False)
+    # One thread: the process's CPU time is the step time without the time
+    # other work on the machine held the core. Several threads: wall clock.
+    clock = time.process_time if threads == 1 and device == "cpu" else time.perf_counter
+    warm = []
+    for _ in range(3):  # warm-up: caches, allocator, first-call paths
+        _sync(device)
+        t0 = time.perf_counter()
         runner.step()
-    _sync(device)
-    conn.send(("ready", wl.flops_per_step))
+        _sync(device)
+        warm.append(time.perf_counter() - t0)
+    conn.send(("ready", wl.flops_per_step, min(warm)))
+    loss = None
     while True:
         cmd, arg = conn.recv()
         if cmd == "run":
             _sync(device)
-            t0 = time.perf_counter()
+            c0, w0 = clock(), time.perf_counter()
             for _ in range(arg):
                 loss = runner.step()
             _sync(device)
-            conn.send((time.perf_counter() - t0) / arg)
+            conn.send(((clock() - c0) / arg, (time.perf_counter() - w0) / arg))
         elif cmd == "loss":
             conn.send(loss.item())
         elif cmd == "mem":
@@ -80,10 +92,10 @@ def worker(conn, workload, mode, device, half_name, scale, threads):
             return
 
 
-def gemm_peak(device, half, n=2048, reps=10) -> float:
-    """FLOP/s of a large half-dtype GEMM, best of ``reps``."""
-    a = torch.randn(n, n, device=device, dtype=half)
-    b = torch.randn(n, n, device=device, dtype=half)
+def gemm_peak(device, dtype, n=2048, reps=10) -> float:
+    """FLOP/s of a large GEMM in ``dtype``, best of ``reps``."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(reps):
         _sync(device)
@@ -94,9 +106,9 @@ def gemm_peak(device, half, n=2048, reps=10) -> float:
     return 2 * n**3 / best
 
 
-def run_workload(workload, modes, device, half, rounds, block, scale, threads) -> Dict:
+def run_workload(workload, modes, device, half, rounds, block_s, scale, threads) -> Dict:
     ctx = mp.get_context("spawn")
-    procs, conns, flops = {}, {}, 0.0
+    procs, conns, flops, warm = {}, {}, 0.0, []
     for mode in modes:
         parent, child = ctx.Pipe()
         p = ctx.Process(target=worker, args=(child, workload, mode, device, str(half).split(".")[-1], scale, threads), daemon=True)
@@ -104,21 +116,27 @@ def run_workload(workload, modes, device, half, rounds, block, scale, threads) -
         procs[mode], conns[mode] = p, parent
         msg = parent.recv()  # start workers one at a time: building is CPU-heavy
         flops = msg[1]
+        warm.append(msg[2])
+    # Every mode runs the same number of steps per block (so the same batches),
+    # enough for the slowest to take about block_s seconds.
+    block = max(1, round(block_s / max(warm)))
     times: Dict[str, List[float]] = {m: [] for m in modes}
+    walls: Dict[str, List[float]] = {m: [] for m in modes}
     ratios: Dict[str, List[float]] = {m: [] for m in modes}
     for r in range(rounds):
         order = modes[r % len(modes):] + modes[: r % len(modes)]
         this_round = {}
         for mode in order:
-            time.sleep(0.05)  # let the previous worker's spinning threads go idle
+            time.sleep(0.05)  # let the previous worker's threads go idle
             conns[mode].send(("run", block))
-            this_round[mode] = conns[mode].recv()
+            this_round[mode], wall = conns[mode].recv()
             times[mode].append(this_round[mode])
+            walls[mode].append(wall)
         ref = this_round.get("autocast")
         for mode in modes:
             if ref:
                 ratios[mode].append(this_round[mode] / ref)
-    out = {"flops": flops, "modes": {}}
+    out = {"flops": flops, "block": block, "modes": {}}
     for mode in modes:
         conns[mode].send(("loss", None))
         loss = conns[mode].recv()
@@ -128,6 +146,7 @@ def run_workload(workload, modes, device, half, rounds, block, scale, threads) -
         procs[mode].join(30)
         out["modes"][mode] = {
             "step_s": statistics.median(times[mode]),
+            "wall_s": statistics.median(walls[mode]),
             "ratio_autocast": statistics.median(ratios[mode]) if ratios[mode] else float("nan"),
             "loss": loss,
             "mem_mb": mem,
@@ -138,17 +157,17 @@ def run_workload(workload, modes, device, half, rounds, block, scale, threads) -
     return out
 
 
-def table(results, peak, device, half) -> str:
+def table(results, peak) -> str:
     lines = [
-        f"| workload | mode | step ms | speedup vs FP32 | ratio to autocast | peak mem MB | MFU | final loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | mode | step ms | wall ms | speedup vs FP32 | ratio to autocast | peak mem MB | MFU | final loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for wl, res in results.items():
         for mode, m in res["modes"].items():
             mfu = res["flops"] / m["step_s"] / peak if peak else float("nan")
             lines.append(
-                f"| {wl} | {mode} | {m['step_s'] * 1e3:.1f} | {m['speedup_fp32']:.2f}× | {m['ratio_autocast']:.2f} | "
-                f"{m['mem_mb']:.0f} | {mfu:.1%} | {m['loss']:.4f} |"
+                f"| {wl} | {mode} | {m['step_s'] * 1e3:.1f} | {m['wall_s'] * 1e3:.1f} | {m['speedup_fp32']:.2f}× | "
+                f"{m['ratio_autocast']:.2f} | {m['mem_mb']:.1f} | {mfu:.1%} | {m['loss']:.5f} |"
             )
     return "\n".join(lines)
 
@@ -157,37 +176,61 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="amp_patch benchmark suite")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--block", type=int, default=3, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--block-seconds", type=float, default=0.5, help="about how long one block of steps runs")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink or grow the CPU sizes")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16"], help="default: BF16 on CPU, FP16 on CUDA")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1 on CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (smoke test)")
     ap.add_argument("--no-write", action="store_true", help="print only; do not touch RESULTS.md")
     ap.add_argument("--output", default=str(HERE / "RESULTS.md"))
     args = ap.parse_args(argv)
+    if args.threads is None:
+        # On a CPU shared with other work, every parallel region of a
+        # multi-threaded op waits for its slowest thread: with another process
+        # holding one of two cores, a 0.2 ms ReLU took 8 ms at two threads.
+        args.threads = 1 if args.device == "cpu" else os.cpu_count()
     if args.quick:
-        args.scale, args.rounds, args.block = 0.125, 2, 1
+        args.scale, args.rounds, args.block_seconds = 0.125, 2, 0.05
     half = getattr(torch, args.dtype) if args.dtype else (torch.float16 if args.device == "cuda" else torch.bfloat16)
     torch.set_num_threads(args.threads)
-    peak = gemm_peak(args.device, half, n=512 if args.quick else 2048)
+    n = 512 if args.quick else 2048
+    peak = gemm_peak(args.device, half, n=n)
+    peak32 = gemm_peak(args.device, torch.float32, n=n, reps=3)
     results = {}
     for wl in args.workloads:
-        print(f"[suite] {wl}: {args.rounds} rounds x {len(args.modes)} modes x {args.block} steps", flush=True)
-        results[wl] = run_workload(wl, list(args.modes), args.device, half, args.rounds, args.block, args.scale, args.threads)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else (platform.processor() or platform.machine())
-    text = table(results, peak, args.device, half)
+        print(f"[suite] {wl}: {args.rounds} rounds x {len(args.modes)} modes", flush=True)
+        results[wl] = run_workload(wl, list(args.modes), args.device, half, args.rounds, args.block_seconds, args.scale, args.threads)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name()
+    text = table(results, peak)
+    blocks = ", ".join(f"{wl} {r['block']}" for wl, r in results.items())
+    clock = "process CPU time" if args.threads == 1 and args.device == "cpu" else "wall clock"
+    half_name = str(half).split(".")[-1]
     header = (
-        f"Device: {args.device} ({device_name}), {args.threads} threads, half dtype {str(half).split('.')[-1]}, "
-        f"torch {torch.__version__}; {args.rounds} rounds of {args.block}-step blocks, order rotated each round; "
-        f"medians. Half-dtype GEMM peak measured in this run: {peak / 1e12:.2f} TFLOP/s."
+        f"Device: {args.device} ({device_name}), {args.threads} thread(s) per worker, half dtype {half_name}, "
+        f"torch {torch.__version__}. {args.rounds} rounds; each round runs every mode for one block of steps "
+        f"(steps per block: {blocks}), in an order rotated each round. Step ms is the {clock} per step and "
+        f"wall ms the wall clock, medians over rounds; the ratio to autocast is taken within each round, then the "
+        f"median. GEMM peak ({n}x{n}) measured in this run: {half_name} {peak / 1e12:.2f} TFLOP/s, float32 "
+        f"{peak32 / 1e12:.2f} TFLOP/s ({peak / peak32:.1f}x)."
     )
+    command = "python benchmarks/suite.py" + "".join(" " + a for a in (argv if argv is not None else sys.argv[1:]))
     print(header)
     print(text)
     if not args.no_write:
-        write_results(args.output, f"suite-{args.device}", header + "\n\n" + text + "\n\nCommand: `python benchmarks/suite.py " + " ".join(argv or sys.argv[1:]) + "`")
+        write_results(args.output, f"suite-{args.device}", header + "\n\n" + text + f"\n\nCommand: `{command}`")
     return results
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def write_results(path: str, key: str, body: str) -> None:

@@ -25,6 +25,7 @@ class Workload:
     loss_fn: Callable
     flops_per_step: float  # matmul FLOPs of forward + backward, for MFU
     lr: float = 1e-3
+    momentum: float = 0.9  # of the SGD optimizer every mode trains with
 
 
 class SimpleNet(nn.Module):
@@ -95,7 +96,8 @@ def build(name: str, gpu: bool = False, scale: float = 1.0, nbatches: int = 4) -
         width, batch = (4096, 512) if gpu else (int(2048 * scale), int(256 * scale) or 8)
         model = SimpleNet(width)
         batches = [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)) for _ in range(nbatches)]
-        return Workload(name, model, batches, F.mse_loss, 3 * 6 * batch * width * width, lr=1e-4)
+        # the tutorial's optimizer: paddle.optimizer.SGD(learning_rate=0.0001), no momentum
+        return Workload(name, model, batches, F.mse_loss, 3 * 6 * batch * width * width, lr=1e-4, momentum=0.0)
     if name == "transformer":
         d, seq, batch, vocab = int(512 * scale) or 64, 128, 8, 1000
         model = Encoder(d_model=d, vocab=vocab)
@@ -128,12 +130,14 @@ MODES = ("fp32", "autocast", "O1", "O2", "O3")
 class Runner:
     """One workload under one mode: a model copy, its optimizer, ``step()``."""
 
-    def __init__(self, wl: Workload, mode: str, device: str, half: torch.dtype):
+    def __init__(self, wl: Workload, mode: str, device: str, half: torch.dtype, copy_model: bool = True):
         self.mode, self.device, self.half = mode, device, half
-        self.model = copy.deepcopy(wl.model).to(device)
+        # a worker process that owns its workload trains wl.model itself, so
+        # its peak memory holds one model, not two
+        self.model = (copy.deepcopy(wl.model) if copy_model else wl.model).to(device)
         self.batches = [tuple(t.to(device) for t in b) for b in wl.batches]
         self.loss_fn = wl.loss_fn
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=wl.lr, momentum=0.9)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=wl.lr, momentum=wl.momentum)
         self.i = 0
         self.scaler: Optional[torch.amp.GradScaler] = None
         if mode == "autocast" and device == "cuda" and half == torch.float16:

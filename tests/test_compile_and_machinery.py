@@ -28,7 +28,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::amp_patch.AmpWarning")
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 MODEL_LEVELS = [("O2", f16), ("O2", bf16), ("O3", f16), ("O3", bf16), ("O5", bf16)]
-ALL_LEVELS = [("O1", f16), ("O1", bf16), ("O4", bf16)] + MODEL_LEVELS
 
 
 def _id(case):
@@ -295,6 +294,37 @@ def test_explicit_out_tensor_is_not_cast(half):
     assert torch.equal(outh, torch.mm(a.to(half), b.to(half)))
     assert torch.equal(cat, torch.cat([a, b]))
     assert plain.dtype == half
+
+
+def test_disable_casts_applies_when_the_graph_is_compiled_inside_it(dynamo):
+    model = _net().eval()
+    x = torch.randn(4, 16)
+    amp_patch.initialize(model, None, "O4")
+    try:
+        with torch.no_grad(), amp_patch.disable_casts():
+            out = torch.compile(model, backend="aot_eager")(x)
+    finally:
+        amp_patch.deinitialize()
+    assert out.dtype == f32
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a compiled graph keeps the policy it was traced with: dynamo does not guard on "
+    "disable_casts(), so a graph compiled outside the block still casts inside it"
+))
+def test_disable_casts_reaches_an_already_compiled_graph(dynamo):
+    model = _net().eval()
+    x = torch.randn(4, 16)
+    amp_patch.initialize(model, None, "O4")
+    try:
+        cm = torch.compile(model, backend="aot_eager")
+        with torch.no_grad():
+            assert cm(x).dtype == bf16
+            with amp_patch.disable_casts():
+                out = cm(x)
+    finally:
+        amp_patch.deinitialize()
+    assert out.dtype == f32
 
 
 # --------------------------------------------------------------- torch.jit.trace

@@ -13,15 +13,13 @@ Invariants checked after every example and every step:
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import amp_patch
 from amp_patch import ConfigError, ListError, StateError, oplists

@@ -12,6 +12,8 @@ the loss scaler's bounded history); the patch count never changes; and after
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import weakref
 
 import pytest
@@ -29,8 +31,15 @@ pytestmark = [pytest.mark.soak, pytest.mark.filterwarnings("ignore::amp_patch.Am
 
 
 def _rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+    """Resident memory now (Linux), else the peak so far (getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _wrappers():
