@@ -261,8 +261,9 @@ def _first_non_finite(obj: Any) -> Optional[torch.Tensor]:
     return next((t for t in _tensors(obj) if t.is_floating_point() and not _finite(t)), None)
 
 
-#: how _cast converts a tensor: an overflow there is the cast's, not the op's
-_CAST_OP = ("torch.Tensor", "to")
+#: how _cast converts a tensor (``to``, or the dtype methods it calls through
+#: ``_cast.CONVERT``): an overflow there is the cast's, not the op's
+_CAST_OPS = frozenset(("torch.Tensor", n) for n in ("to", "half", "bfloat16", "float"))
 _WRAPPERS_FILE = _PKG_DIR + "wrappers.py"
 
 
@@ -476,7 +477,7 @@ class _OverflowWatch:
         names = self.names.names(func)
         if not names:
             return getattr(func, "__name__", repr(func)), False
-        if names[0] == _CAST_OP:
+        if names[0] in _CAST_OPS:
             outer = _running_wrapper_op(self.names)
             if outer is not None:
                 return outer, True

@@ -4,7 +4,7 @@ This CPU's BF16 matmul speed swings 2-3x within seconds, so one long run per
 mode means nothing. Each mode lives in its own worker process (amp_patch's
 state is per process) and keeps its model and optimizer between blocks. The
 coordinator runs the modes in short blocks (the same number of steps for every
-mode, about half a second for the slowest), rotates their order every round,
+mode, about a second for the slowest), rotates their order every round,
 and reports each mode's ratio to the autocast block of the same round; the
 figures are medians over rounds.
 
@@ -148,6 +148,7 @@ def run_workload(workload, modes, device, half, rounds, block_s, scale, threads)
             "step_s": statistics.median(times[mode]),
             "wall_s": statistics.median(walls[mode]),
             "ratio_autocast": statistics.median(ratios[mode]) if ratios[mode] else float("nan"),
+            "ratio_iqr": _quartiles(ratios[mode]),
             "loss": loss,
             "mem_mb": mem,
         }
@@ -157,17 +158,25 @@ def run_workload(workload, modes, device, half, rounds, block_s, scale, threads)
     return out
 
 
+def _quartiles(values: List[float]) -> tuple:
+    if len(values) < 2:
+        return (float("nan"), float("nan"))
+    q = statistics.quantiles(values, n=4)
+    return (q[0], q[2])
+
+
 def table(results, peak) -> str:
     lines = [
-        "| workload | mode | step ms | wall ms | speedup vs FP32 | ratio to autocast | peak mem MB | MFU | final loss |",
+        "| workload | mode | step ms | wall ms | speedup vs FP32 | ratio to autocast (IQR) | peak mem MB | MFU | final loss |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for wl, res in results.items():
         for mode, m in res["modes"].items():
             mfu = res["flops"] / m["step_s"] / peak if peak else float("nan")
+            lo, hi = m["ratio_iqr"]
             lines.append(
                 f"| {wl} | {mode} | {m['step_s'] * 1e3:.1f} | {m['wall_s'] * 1e3:.1f} | {m['speedup_fp32']:.2f}× | "
-                f"{m['ratio_autocast']:.2f} | {m['mem_mb']:.1f} | {mfu:.1%} | {m['loss']:.5f} |"
+                f"{m['ratio_autocast']:.2f} ({lo:.2f}–{hi:.2f}) | {m['mem_mb']:.1f} | {mfu:.1%} | {m['loss']:.5f} |"
             )
     return "\n".join(lines)
 
@@ -177,7 +186,7 @@ def main(argv=None):
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--block-seconds", type=float, default=0.5, help="about how long one block of steps runs")
+    ap.add_argument("--block-seconds", type=float, default=1.0, help="about how long one block of steps runs")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink or grow the CPU sizes")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16"], help="default: BF16 on CPU, FP16 on CUDA")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -212,7 +221,7 @@ def main(argv=None):
         f"torch {torch.__version__}. {args.rounds} rounds; each round runs every mode for one block of steps "
         f"(steps per block: {blocks}), in an order rotated each round. Step ms is the {clock} per step and "
         f"wall ms the wall clock, medians over rounds; the ratio to autocast is taken within each round, then the "
-        f"median. GEMM peak ({n}x{n}) measured in this run: {half_name} {peak / 1e12:.2f} TFLOP/s, float32 "
+        f"median (IQR: its interquartile range over rounds). GEMM peak ({n}x{n}) measured in this run: {half_name} {peak / 1e12:.2f} TFLOP/s, float32 "
         f"{peak32 / 1e12:.2f} TFLOP/s ({peak / peak32:.1f}x)."
     )
     command = "python benchmarks/suite.py" + "".join(" " + a for a in (argv if argv is not None else sys.argv[1:]))
