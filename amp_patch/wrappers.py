@@ -217,7 +217,10 @@ def make_wrapper(
             fn = _promote_method(original, general, cache, live)
     else:
         general = _function(original, plan, cache, live)
-        fn = _fixed_function(original, f32 if policy == "float" else half, general, cache, live) if policy in ("half", "float") else general
+        if policy in ("half", "float"):
+            fn = _fixed_function(original, f32 if policy == "float" else half, general, cache, live)
+        else:
+            fn = general
     return wrapt.FunctionWrapper(original, fn)
 
 

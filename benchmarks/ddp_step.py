@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import os
-import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,10 +69,13 @@ def _allreduce_ms(numel: int, dtype: torch.dtype, reps: int = 5) -> float:
     return best * 1e3
 
 
-def rank_main(rank: int, world: int, args, port: int, queue) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def rank_main(rank: int, world: int, args, store: str, queue) -> None:
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file store, not a TCP port another job on the machine could hold; a
+    # lost peer fails the run in minutes instead of gloo's default half hour.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     half = getattr(torch, args.dtype)
     wl = build("simplenet", scale=args.scale, nbatches=2 * world)
     mine = wl.batches[rank::world]
@@ -85,6 +89,8 @@ def rank_main(rank: int, world: int, args, port: int, queue) -> None:
             if mode != "fp32":
                 model, opt = amp_patch.initialize(model, opt, mode, half_dtype=half, verbosity=0)
             try:
+                if args.verbose:
+                    print(f"[rank {rank}] round {r} {mode}", file=sys.stderr, flush=True)
                 ddp = DDP(model)
                 vol = Volume()
                 ddp.register_comm_hook(vol, counting_hook)
@@ -119,12 +125,6 @@ def rank_main(rank: int, world: int, args, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def table(res, args) -> str:
     fp32 = statistics.median(res["times"]["fp32"]) if "fp32" in res["times"] else None
     lines = [
@@ -147,16 +147,30 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["fp32", "O2", "O3"], choices=["fp32", "O1", "O2", "O3"])
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="threads per rank")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per block")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink or grow workload 1's CPU size")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="each rank says which block it runs")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(rank_main, args=(args.world, args, _free_port(), queue), nprocs=args.world, start_method="spawn")
-    res = queue.get()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = mp.start_processes(
+            rank_main, args=(args.world, args, os.path.join(tmp, "store"), queue), nprocs=args.world,
+            start_method="spawn", join=False,
+        )
+        # Read the result while waiting, so rank 0 never waits on a full pipe;
+        # join() raises if a rank failed.
+        res = None
+        while res is None and not procs.join(timeout=1):
+            if not queue.empty():
+                res = queue.get()
+        if res is None:
+            res = queue.get()
+        while not procs.join():
+            pass
     header = (
         f"DDP, gloo, {args.world} processes x {args.threads} thread(s) on CPU, workload 1 at scale {args.scale}, "
         f"half dtype {args.dtype}, torch {torch.__version__}; {args.rounds} rounds of {args.steps}-step blocks, "

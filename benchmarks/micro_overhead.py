@@ -2,7 +2,9 @@
 
 For F.linear, torch.mm and Tensor.__add__ on 8x8 tensors it measures:
   * the unpatched op on half-dtype inputs,
-  * the patched op on the same inputs (nothing to cast: the overhead),
+  * the patched op on the same inputs (nothing to cast: the overhead), and
+    the same call through a wrapt wrapper that only calls through (the part
+    of the overhead that is wrapt's binding and call),
   * the patched op on FP32 inputs (it casts), next to the unpatched op on the
     same FP32 inputs under torch.autocast (the reference). Autocast does not
     cover ``add``; its reference is the native mixed-dtype add, which promotes
@@ -38,14 +40,32 @@ def _cases(half: torch.dtype):
     w = torch.nn.Parameter(torch.randn(8, 8))
     b = torch.nn.Parameter(torch.randn(8))
     xh, wh, bh = x.to(half), w.detach().to(half), b.detach().to(half)
-    # (name, no-cast call, casting call, autocast covers it); the calls look
-    # the op up at call time, so the same lambda times the patched and the
-    # unpatched op.
+    # (name, owner and attribute, no-cast call, casting call, autocast covers
+    # it); the calls look the op up at call time, so the same lambda times the
+    # patched and the unpatched op.
     return [
-        ("F.linear", lambda: F.linear(xh, wh, bh), lambda: F.linear(x, w, b), True),
-        ("torch.mm", lambda: torch.mm(xh, wh), lambda: torch.mm(x, w), True),
-        ("Tensor.__add__", lambda: xh + wh, lambda: x + wh, False),
+        ("F.linear", (F, "linear"), lambda: F.linear(xh, wh, bh), lambda: F.linear(x, w, b), True),
+        ("torch.mm", (torch, "mm"), lambda: torch.mm(xh, wh), lambda: torch.mm(x, w), True),
+        ("Tensor.__add__", (torch.Tensor, "__add__"), lambda: xh + wh, lambda: x + wh, False),
     ]
+
+
+def _passthrough(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+
+
+def _wrapt_floor(owner, name, fn, number: int) -> float:
+    """The no-cast call with a wrapt wrapper that only calls through on the op:
+    the part of the overhead that is wrapt's own."""
+    own = vars(owner).get(name)
+    setattr(owner, name, wrapt.FunctionWrapper(getattr(owner, name), _passthrough))
+    try:
+        return _block(fn, number)
+    finally:
+        if own is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
 
 
 def _block(fn, number: int) -> float:
@@ -59,10 +79,11 @@ def measure(half: torch.dtype, rounds: int = 60, number: int = 100):
     milliseconds; the overhead and the ratio are taken per round, and every
     figure reported is the median over rounds."""
     cases = _cases(half)
-    per_round = {(name, k): [] for name, *_ in cases for k in ("unpatched", "reference", "patched", "casting")}
+    per_round = {(name, k): [] for name, *_ in cases for k in ("unpatched", "wrapt", "reference", "patched", "casting")}
     for _ in range(rounds):
-        for name, nocast, casting, covered in cases:
+        for name, (owner, attr), nocast, casting, covered in cases:
             per_round[(name, "unpatched")].append(_block(nocast, number))
+            per_round[(name, "wrapt")].append(_wrapt_floor(owner, attr, nocast, number))
             if covered:
                 with torch.autocast("cpu", dtype=half):
                     per_round[(name, "reference")].append(_block(casting, number))
@@ -70,21 +91,22 @@ def measure(half: torch.dtype, rounds: int = 60, number: int = 100):
                 per_round[(name, "reference")].append(_block(casting, number))
         amp_patch.initialize(None, None, "O1", half_dtype=half, verbosity=0)
         try:
-            for name, nocast, casting, _ in cases:
+            for name, _, nocast, casting, _ in cases:
                 per_round[(name, "patched")].append(_block(nocast, number))
                 per_round[(name, "casting")].append(_block(casting, number))
         finally:
             amp_patch.deinitialize()
     med = statistics.median
     rows = []
-    for name, _, _, covered in cases:
-        r = {k: per_round[(name, k)] for k in ("unpatched", "patched", "casting", "reference")}
+    for name, _, _, _, covered in cases:
+        r = {k: per_round[(name, k)] for k in ("unpatched", "wrapt", "patched", "casting", "reference")}
         rows.append(
             dict(
                 op=name,
                 unpatched_us=med(r["unpatched"]),
                 patched_nocast_us=med(r["patched"]),
                 overhead_us=med([b - a for a, b in zip(r["unpatched"], r["patched"])]),
+                wrapt_us=med([b - a for a, b in zip(r["unpatched"], r["wrapt"])]),
                 patched_cast_us=med(r["casting"]),
                 reference_us=med(r["reference"]),
                 ratio_to_reference=med([c / d for c, d in zip(r["casting"], r["reference"])]),
@@ -96,13 +118,13 @@ def measure(half: torch.dtype, rounds: int = 60, number: int = 100):
 
 def to_markdown(rows, half) -> str:
     lines = [
-        f"| op ({str(half).split('.')[-1]}, 8x8) | unpatched µs | patched, no cast µs | overhead µs | "
+        f"| op ({str(half).split('.')[-1]}, 8x8) | unpatched µs | patched, no cast µs | overhead µs | of which wrapt µs | "
         f"patched, casting µs | reference µs | casting / reference | reference |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['op']} | {r['unpatched_us']:.2f} | {r['patched_nocast_us']:.2f} | {r['overhead_us']:.2f} | "
+            f"| {r['op']} | {r['unpatched_us']:.2f} | {r['patched_nocast_us']:.2f} | {r['overhead_us']:.2f} | {r['wrapt_us']:.2f} | "
             f"{r['patched_cast_us']:.2f} | {r['reference_us']:.2f} | {r['ratio_to_reference']:.2f}× | {r['reference']} |"
         )
     return "\n".join(lines)
