@@ -14,7 +14,7 @@ the version and the next use casts again.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
@@ -77,21 +77,6 @@ class CastCache:
             self.misses += 1
             entries[id(t)] = (t, to, t._version, t.data_ptr(), out)
         return out
-
-
-def floating_dtypes(obj: Any, found: set) -> set:
-    """Add the castable floating dtypes of every tensor in ``obj`` to ``found``."""
-    if isinstance(obj, Tensor):
-        dt = obj.dtype
-        if dt in CASTABLE:
-            found.add(dt)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            floating_dtypes(x, found)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            floating_dtypes(x, found)
-    return found
 
 
 def needs_cast(obj: Any, to: torch.dtype) -> bool:

@@ -50,9 +50,6 @@ class Patcher:
         rec = self._index.get((id(owner), name))
         return getattr(owner, name) if rec is None else rec.old
 
-    def patched_values(self) -> List[Any]:
-        return [r.new for r in self._records]
-
     def apply(self, items: List[Tuple[Any, str, Callable[[Any], Any]]]) -> None:
         """Patch each ``(owner, name, make_wrapper)``; ``make_wrapper(original)``.
 

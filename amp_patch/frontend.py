@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Sequence, Tuple
 
 import torch
 
@@ -81,14 +81,18 @@ def _check_models(models: Sequence[torch.nn.Module], props: Properties) -> None:
 
 def _patch_items(amp: AmpState) -> list:
     """(owner, name, make_wrapper) for every op in force, plus user registrations."""
-    props = amp.props
     items = []
     for (ns, name), e in sorted(amp.table.items()):
         items.append((NAMESPACES[ns], name, _maker(e.policy, e.qualname, ns == "torch.Tensor", amp, e.fix)))
     for owner, name, policy in _user_registrations:
-        qual = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
-        items.append((owner, name, _maker(policy, qual, isinstance(owner, type), amp, "")))
+        items.append(_user_item(owner, name, policy, amp))
     return items
+
+
+def _user_item(owner: Any, name: str, policy: str, amp: AmpState) -> tuple:
+    """The patch item for a register_*_function registration."""
+    qual = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+    return (owner, name, _maker(policy, qual, isinstance(owner, type), amp, ""))
 
 
 def _maker(policy: str, qualname: str, method: bool, amp: AmpState, fix: str) -> Callable:
@@ -322,8 +326,7 @@ def _register(owner: Any, name: str, policy: str) -> None:
                     f"{name} is already patched by the running amp_patch; register functions before "
                     f"initialize, or deinitialize and initialize again"
                 )
-            qual = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
-            amp.patcher.apply([(owner, name, _maker(policy, qual, isinstance(owner, type), amp, ""))])
+            amp.patcher.apply([_user_item(owner, name, policy, amp)])
 
 
 def register_half_function(module: Any, name: str) -> None:

@@ -90,8 +90,6 @@ class Properties:
     def dynamic(self) -> bool:
         return self.loss_scale == "dynamic"
 
-    def compatible(self, other: "Properties") -> bool:
-        return self == other
 
 
 def default_half_dtype(device_type: str) -> torch.dtype:
