@@ -261,11 +261,12 @@ def _teardown(amp: AmpState) -> None:
 def deinitialize() -> None:
     """Undo ``initialize``: torch, the models and the optimizers as they were.
 
-    Every patched attribute is restored in reverse order, so ``vars(torch)``,
-    ``vars(torch.nn.functional)``, ``vars(torch.Tensor)`` and ``vars(torch.linalg)``
-    hold exactly the objects they held before. An O2 model goes back to FP32
-    holding the master values, and its optimizer to its own parameters.
-    A no-op when nothing is initialized.
+    Every patched attribute is restored in reverse order, so ``vars()`` of each
+    namespace in ``oplists.NAMESPACES`` (``torch``, ``torch.nn.functional``,
+    ``torch.Tensor``, ``torch.linalg``, ``torch.special``, ``torch.fft``,
+    ``torch._VF``) holds exactly the objects it held before. An O2 model goes
+    back to FP32 holding the master values, and its optimizer to its own
+    parameters. A no-op when nothing is initialized.
 
     Raises:
         StateError: when called inside an open ``scale_loss`` block.

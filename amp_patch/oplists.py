@@ -43,6 +43,7 @@ NAMESPACES: Dict[str, Any] = {
     "torch.Tensor": torch.Tensor,
     "torch.linalg": torch.linalg,
     "torch.special": torch.special,
+    "torch.fft": torch.fft,
     "torch._VF": torch._VF,
 }
 ENTRY_KEYS = ("name", "when", "optional", "why", "fix")

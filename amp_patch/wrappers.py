@@ -3,12 +3,12 @@
 Every wrapper has wrapt's signature ``(wrapped, instance, args, kwargs)``. A
 *planner* looks at the arguments and returns the dtype to cast to, or ``None``
 when nothing needs casting; then the wrapper calls straight through. That
-no-cast path is the hot path: a thread-local read, the planner's dtype checks,
-and the call, with no allocation, formatting or logging.
+no-cast path is the hot path: a few flag reads, the dtype checks, and the
+call, with no allocation, formatting or logging.
 
-For a Tensor method wrapt hands us an already bound ``wrapped`` and the
-receiver as ``instance``; a bound method cannot cast its receiver, so the slow
-path calls the saved unbound original with the cast receiver.
+A Tensor method's wrapper receives its receiver as ``args[0]`` (see
+``MethodWrapper``) and calls the unbound original, so casting the receiver is
+casting an argument, and one wrapper serves functions and methods alike.
 
 Policies:
   * ``half``     - run in the low-precision dtype (FP16 or BF16)
@@ -21,6 +21,7 @@ Policies:
 from __future__ import annotations
 
 from threading import get_ident
+from types import MethodType
 from typing import Any, Callable, Optional
 
 import torch
@@ -123,20 +124,19 @@ def _scan(obj: Any, seen: Any) -> Any:
 
 
 # ---------------------------------------------------------------- planners
-# A planner returns the dtype to cast every castable input to, or None.
+# A planner returns the dtype to cast every castable input to, or None. For a
+# Tensor method the receiver is ``args[0]``, so one planner serves both forms.
 
 
 def _fixed_planner(to: torch.dtype) -> Callable:
     castable = CASTABLE - {to}
 
-    def plan(instance, args, kwargs):
+    def plan(args, kwargs):
         # An explicit out= tensor fixes the result's dtype: such calls are not
         # cast (autocast's rule too).
         if kwargs and "out" in kwargs:
             return None
         # Flat arguments are scanned inline: this runs on every call.
-        if instance is not None and instance.dtype in castable:
-            return to
         for a in args:
             if isinstance(a, Tensor):
                 if a.dtype in castable:
@@ -150,11 +150,10 @@ def _fixed_planner(to: torch.dtype) -> Callable:
     return plan
 
 
-def _promote_plan(instance, args, kwargs):
+def _promote_plan(args, kwargs):
     if kwargs and "out" in kwargs:
         return None
-    seen = None if instance is None else _scan(instance, None)
-    seen = _scan(args, seen)
+    seen = _scan(args, None)
     if kwargs and seen is not _MIXED:
         seen = _scan(kwargs, seen)
     # A mix of FP32 with either half dtype, or of FP16 with BF16, runs in FP32.
@@ -169,6 +168,42 @@ def make_planner(policy: str, half: torch.dtype) -> Callable:
     if policy in ("promote", "sequence_promote"):
         return _promote_plan
     raise ValueError(policy)
+
+
+# ---------------------------------------------------------------- wrapt types
+
+_WrapperBase = wrapt.FunctionWrapper.__bases__[0]
+
+
+class OpWrapper(wrapt.FunctionWrapper):
+    """The wrapt wrapper amp_patch puts on a torch function.
+
+    ``wrapt.FunctionWrapper`` gives a plain Python function (most of
+    ``torch.nn.functional``) its "function" binding, under which every call
+    first looks up ``__self__`` on the wrapped function; a plain function has
+    none, so each call raises and clears an AttributeError, about 1 µs. The
+    "staticmethod" binding skips that lookup and binds the same way when the
+    function is reached as a class attribute (the wrapper then gets the bound
+    function as ``wrapped`` and its receiver as ``instance``).
+    """
+
+    def __init__(self, wrapped: Any, wrapper: Callable) -> None:
+        _WrapperBase.__init__(self, wrapped, None, wrapper, None, "staticmethod")
+
+
+class MethodWrapper(OpWrapper):
+    """The wrapt wrapper on a ``torch.Tensor`` method or operator.
+
+    Reached through a tensor, a ``FunctionWrapper`` builds a new
+    ``BoundFunctionWrapper`` on every access, about 1 µs of each ``x + y``.
+    This one binds as a Python function does: ``x.add`` is a method object
+    over the wrapper, which is then called with the receiver as ``args[0]``,
+    exactly as ``torch.Tensor.add(x, y)`` calls it, and passes the same
+    arguments to the unbound original.
+    """
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return self if obj is None else MethodType(self, obj)
 
 
 # ---------------------------------------------------------------- factories
@@ -201,40 +236,40 @@ def make_wrapper(
         live: the session's ``Live`` flag; the wrapper calls straight
             through once it is off.
     """
+    kind = MethodWrapper if method else OpWrapper
     if policy == "banned":
-        return wrapt.FunctionWrapper(original, _banned(qualname, half, fix, live))
+        return kind(original, _banned(qualname, half, fix, live))
     name = qualname.rpartition(".")[2]
     plan = make_planner(policy, half)
     if method and is_inplace(name):
-        fn = _inplace(policy, qualname, original, plan, half, live)
+        fn = _inplace(policy, qualname, plan, live)
     elif ledger is not None:
-        fn = _instrumented(qualname, policy, original, method, plan, cache, ledger, live)
-    elif method:
-        general = _method(original, plan, cache, live)
-        if policy in ("half", "float"):
-            fn = _fixed_method(original, f32 if policy == "float" else half, general, cache, live)
-        else:
-            fn = _promote_method(original, general, cache, live)
+        fn = _instrumented(qualname, policy, plan, cache, ledger, live)
     else:
-        general = _function(original, plan, cache, live)
+        general = _general(plan, cache, live)
         if policy in ("half", "float"):
-            fn = _fixed_function(original, f32 if policy == "float" else half, general, cache, live)
+            fn = _fixed(original, f32 if policy == "float" else half, general, cache, live)
         else:
-            fn = general
-    return wrapt.FunctionWrapper(original, fn)
+            fn = _promote(original, general, cache, live)
+    return kind(original, fn)
 
 
-# The fast wrappers below serve the common call: positional arguments only,
-# casting on, the session live. They scan flat arguments inline and call the
-# original without an empty ``**kwargs``; any other call goes to the general
-# wrapper (``_function`` / ``_method``), which they fall back to unchanged.
+# Every wrapper below has wrapt's signature (wrapped, instance, args, kwargs).
+# ``instance`` is None except for a Python function reached as a class
+# attribute, where ``wrapped`` is the bound function; the receiver of a Tensor
+# method is ``args[0]`` (see MethodWrapper).
+#
+# The fast wrappers (_fixed, _promote) serve the common call: positional
+# arguments only, casting on, the session live, not bound. They scan flat
+# arguments inline and call the original without an empty ``**kwargs``; any
+# other call goes to the general wrapper, unchanged.
 
 
-def _fixed_function(original, to, general, cache, live):
+def _fixed(original, to, general, cache, live):
     castable = CASTABLE - {to}
 
     def wrapper(wrapped, instance, args, kwargs):
-        if kwargs or disabled or not live.on:
+        if kwargs or disabled or instance is not None or not live.on:
             return general(wrapped, instance, args, kwargs)
         for a in args:
             if isinstance(a, Tensor):
@@ -249,33 +284,11 @@ def _fixed_function(original, to, general, cache, live):
     return wrapper
 
 
-def _fixed_method(original, to, general, cache, live):
-    castable = CASTABLE - {to}
-
+def _promote(original, general, cache, live):
     def wrapper(wrapped, instance, args, kwargs):
-        if kwargs or disabled or not live.on or instance is None:
+        if kwargs or disabled or instance is not None or not live.on:
             return general(wrapped, instance, args, kwargs)
-        if instance.dtype not in castable:
-            for a in args:
-                if isinstance(a, Tensor):
-                    if a.dtype in castable:
-                        break
-                elif isinstance(a, (list, tuple, dict)) and needs_cast(a, to):
-                    break
-            else:
-                return original(instance, *args)
-        return original(cast(instance, to, cache), *cast_args(args, to, cache))
-
-    return wrapper
-
-
-def _promote_method(original, general, cache, live):
-    def wrapper(wrapped, instance, args, kwargs):
-        if kwargs or disabled or not live.on or instance is None:
-            return general(wrapped, instance, args, kwargs)
-        seen = instance.dtype
-        if seen not in CASTABLE:
-            seen = None
+        seen = None
         for a in args:
             if isinstance(a, Tensor):
                 dt = a.dtype
@@ -289,47 +302,34 @@ def _promote_method(original, general, cache, live):
                 if seen is _MIXED:
                     break
         else:
-            return original(instance, *args)
+            return original(*args)
         # a mix of FP32 with either half dtype, or of FP16 with BF16, runs in FP32
-        return original(cast(instance, f32, cache), *cast_args(args, f32, cache))
+        return original(*cast_args(args, f32, cache))
 
     return wrapper
 
 
-def _function(original, plan, cache, live):
+def _general(plan, cache, live):
     def wrapper(wrapped, instance, args, kwargs):
         if (disabled and get_ident() in disabled) or not live.on:
             return wrapped(*args, **kwargs)
-        to = plan(None, args, kwargs)
+        to = plan(args, kwargs)
         if to is None:
             return wrapped(*args, **kwargs)
         if kwargs:
             kwargs = cast(kwargs, to, cache)
-        return original(*cast_args(args, to, cache), **kwargs)
+        return wrapped(*cast_args(args, to, cache), **kwargs)
 
     return wrapper
 
 
-def _method(original, plan, cache, live):
-    def wrapper(wrapped, instance, args, kwargs):
-        if (disabled and get_ident() in disabled) or not live.on:
-            return original(instance, *args, **kwargs)
-        to = plan(instance, args, kwargs)
-        if to is None:
-            return original(instance, *args, **kwargs)
-        if kwargs:
-            kwargs = cast(kwargs, to, cache)
-        return original(cast(instance, to, cache), *cast_args(args, to, cache), **kwargs)
-
-    return wrapper
-
-
-def _inplace(policy, qualname, original, plan, half, live):
+def _inplace(policy, qualname, plan, live):
     """In-place Tensor ops: the receiver keeps its dtype, the others follow it."""
     def wrapper(wrapped, instance, args, kwargs):
-        if (disabled and get_ident() in disabled) or not live.on or not isinstance(instance, Tensor):
-            return original(instance, *args, **kwargs)
-        to = instance.dtype
+        if (disabled and get_ident() in disabled) or not live.on or not args or not isinstance(args[0], Tensor):
+            return wrapped(*args, **kwargs)
+        receiver, rest = args[0], args[1:]
+        to = receiver.dtype
         if policy == "float" and to in LOW:
             raise CastError(
                 f"{qualname} runs in float32 under amp_patch, but it is in-place on a "
@@ -337,9 +337,9 @@ def _inplace(policy, qualname, original, plan, half, live):
                 f"(x = x.float()), use the out-of-place form, or wrap the call in "
                 f"amp_patch.disable_casts()."
             )
-        if to in CASTABLE and (needs_cast(args, to) or (kwargs and needs_cast(kwargs, to))):
-            return original(instance, *cast(args, to, None), **cast(kwargs, to, None))
-        return original(instance, *args, **kwargs)
+        if to in CASTABLE and (needs_cast(rest, to) or (kwargs and needs_cast(kwargs, to))):
+            return wrapped(receiver, *cast(rest, to, None), **cast(kwargs, to, None))
+        return wrapped(*args, **kwargs)
 
     return wrapper
 
@@ -357,16 +357,16 @@ def _banned(qualname, half, fix, live):
     return wrapper
 
 
-def _instrumented(qualname, policy, original, method, plan, cache, ledger, live):
+def _instrumented(qualname, policy, plan, cache, ledger, live):
     """The same call path with the op ledger recording it (``collect_stats``)."""
     record = ledger.record
 
     def wrapper(wrapped, instance, args, kwargs):
         if (disabled and get_ident() in disabled) or not live.on:
-            return original(instance, *args, **kwargs) if method else wrapped(*args, **kwargs)
-        to = plan(instance if method else None, args, kwargs)
+            return wrapped(*args, **kwargs)
+        to = plan(args, kwargs)
         if to is None:
-            out = original(instance, *args, **kwargs) if method else wrapped(*args, **kwargs)
+            out = wrapped(*args, **kwargs)
             record(qualname, policy, out, 0, 0)
             return out
         counter = [0, 0]
@@ -375,12 +375,7 @@ def _instrumented(qualname, policy, original, method, plan, cache, ledger, live)
             counter[0] += 1
             counter[1] += nbytes
 
-        args = cast(args, to, cache, count)
-        kwargs = cast(kwargs, to, cache, count)
-        if method:
-            out = original(cast(instance, to, cache, count), *args, **kwargs)
-        else:
-            out = original(*args, **kwargs)
+        out = wrapped(*cast(args, to, cache, count), **cast(kwargs, to, cache, count))
         record(qualname, policy, out, counter[0], counter[1])
         return out
 
@@ -408,7 +403,7 @@ class _DecoratorPolicy:
             amp = _state.current()
             if amp is None or not amp.props.patch_torch_functions or switch.off:
                 return wrapped(*args, **kwargs)
-            to = make_planner(policy, amp.props.half_dtype)(None, args, kwargs)
+            to = make_planner(policy, amp.props.half_dtype)(args, kwargs)
             if to is None:
                 return wrapped(*args, **kwargs)
             return wrapped(*cast(args, to, amp.cache), **cast(kwargs, to, amp.cache))

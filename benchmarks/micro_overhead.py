@@ -1,12 +1,13 @@
 """Per-call cost of a patched op on tiny tensors (dispatch overhead, not math).
 
-For F.linear, torch.mm and Tensor.__add__ on 8x8 tensors it measures:
-  * the unpatched op on half-dtype inputs,
+For F.linear, torch.mm, F.mse_loss (a Python function, FP32 policy) and
+Tensor.__add__ on 8x8 tensors it measures:
+  * the unpatched op on inputs already in the dtype its policy runs it in,
   * the patched op on the same inputs (nothing to cast: the overhead), and
     the same call through a wrapt wrapper that only calls through (the part
     of the overhead that is wrapt's binding and call),
-  * the patched op on FP32 inputs (it casts), next to the unpatched op on the
-    same FP32 inputs under torch.autocast (the reference). Autocast does not
+  * the patched op on inputs it must cast, next to the unpatched op on the
+    same inputs under torch.autocast (the reference). Autocast does not
     cover ``add``; its reference is the native mixed-dtype add, which promotes
     in C++ as the promote policy does.
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 import wrapt
 
 import amp_patch
+from amp_patch.wrappers import MethodWrapper, OpWrapper
 
 
 def _cases(half: torch.dtype):
@@ -40,12 +42,15 @@ def _cases(half: torch.dtype):
     w = torch.nn.Parameter(torch.randn(8, 8))
     b = torch.nn.Parameter(torch.randn(8))
     xh, wh, bh = x.to(half), w.detach().to(half), b.detach().to(half)
+    y = torch.randn(8, 8)
     # (name, owner and attribute, no-cast call, casting call, autocast covers
     # it); the calls look the op up at call time, so the same lambda times the
     # patched and the unpatched op.
     return [
         ("F.linear", (F, "linear"), lambda: F.linear(xh, wh, bh), lambda: F.linear(x, w, b), True),
         ("torch.mm", (torch, "mm"), lambda: torch.mm(xh, wh), lambda: torch.mm(x, w), True),
+        # a Python function (most of torch.nn.functional), run in FP32
+        ("F.mse_loss", (F, "mse_loss"), lambda: F.mse_loss(x, y), lambda: F.mse_loss(xh, wh), True),
         ("Tensor.__add__", (torch.Tensor, "__add__"), lambda: xh + wh, lambda: x + wh, False),
     ]
 
@@ -55,10 +60,11 @@ def _passthrough(wrapped, instance, args, kwargs):
 
 
 def _wrapt_floor(owner, name, fn, number: int) -> float:
-    """The no-cast call with a wrapt wrapper that only calls through on the op:
-    the part of the overhead that is wrapt's own."""
+    """The no-cast call with a wrapper of amp_patch's wrapt type that only
+    calls through: the part of the overhead that is wrapt's own."""
     own = vars(owner).get(name)
-    setattr(owner, name, wrapt.FunctionWrapper(getattr(owner, name), _passthrough))
+    kind = MethodWrapper if owner is torch.Tensor else OpWrapper
+    setattr(owner, name, kind(getattr(owner, name), _passthrough))
     try:
         return _block(fn, number)
     finally:

@@ -12,7 +12,8 @@ for the solvers, symmetric positive definite ones for Cholesky.
 A Tensor method takes the sample of its function form with the receiver
 first: ``torch.Tensor.X`` uses ``SAMPLES["torch.Tensor.X"]`` if there is one,
 else the first of ``torch.X``, ``torch.nn.functional.X``, ``torch.linalg.X``,
-``torch.special.X``; an in-place ``X_`` falls back to ``X`` the same way.
+``torch.special.X``, ``torch.fft.X``; an in-place ``X_`` falls back to ``X``
+the same way.
 
 ``METHOD_FORM_EXCLUDED`` names the function ops whose same-named Tensor method
 is a different op (another signature or result), so it is not their method form.
@@ -99,7 +100,7 @@ def _both(*names: str) -> Tuple[str, ...]:
 
 
 #: where a Tensor method looks for the sample of its function form, in order
-_FUNCTION_NAMESPACES = ("torch.Tensor", "torch", "torch.nn.functional", "torch.linalg", "torch.special")
+_FUNCTION_NAMESPACES = ("torch.Tensor", "torch", "torch.nn.functional", "torch.linalg", "torch.special", "torch.fft")
 
 
 def lookup(qualname: str) -> Optional[Factory]:
@@ -773,6 +774,26 @@ def _tensorinv(r):
 @sample("torch.linalg.tensorsolve")
 def _tensorsolve(r):
     return (r.well(6).reshape(2, 3, 6), r.randn(2, 3)), {}
+
+
+# ------------------------------------------------------------ FFT
+# A real input for every transform: the policy casts real floating tensors
+# only. The inverse real and Hermitian transforms (irfft, hfft, ...) read a
+# real input as complex with a zero imaginary part, so it suits them too.
+
+
+def _fft_names(*dims: str) -> Tuple[str, ...]:
+    return tuple(f"torch.fft.{kind}{d}" for kind in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft") for d in dims)
+
+
+@sample(*_fft_names(""))
+def _fft_1d(r):
+    return (r.randn(8),), {}
+
+
+@sample(*_fft_names("2", "n"))
+def _fft_2d(r):
+    return (r.randn(4, 8),), {}
 
 
 # ------------------------------------------------------------ indexing and joining

@@ -39,7 +39,8 @@ ORIGINAL = {(ns, n): getattr(NAMESPACES[ns], n) for ns, names in POOL.items() fo
 SNAPSHOT = {ns: dict(vars(obj)) for ns, obj in NAMESPACES.items()}
 DEFAULT_TABLE = {half: oplists.OpTable(_DEFAULTS).resolve(half, "cpu") for half in (torch.float16, torch.bfloat16)}
 
-BAD_NAMESPACES = ["torch.nn.functionl", "torch.fft", "Torch"]
+#: a misspelling, a real torch module that amp_patch does not patch, a wrong case
+BAD_NAMESPACES = ["torch.nn.functionl", "torch.sparse", "Torch"]
 BAD_POLICIES = ["halff", "fp32", "Float"]
 BAD_OPS = ["sofmax", "not_an_op", "__nope__"]
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -15,7 +15,9 @@ from amp_patch.oplists import collect_problems, default_files, load
 def test_defaults_load_and_cover_every_namespace():
     table = load()
     namespaces = {e.namespace for e in table.entries}
-    assert namespaces == {"torch", "torch.nn.functional", "torch.Tensor", "torch.linalg", "torch.special", "torch._VF"}
+    assert namespaces == {
+        "torch", "torch.nn.functional", "torch.Tensor", "torch.linalg", "torch.special", "torch.fft", "torch._VF",
+    }
     names = {e.qualname for e in table.entries}
     # what apex.amp missed, among others
     for op in [
@@ -29,7 +31,7 @@ def test_defaults_load_and_cover_every_namespace():
 
 def test_default_files_are_shipped_as_package_data():
     names = [n for n, _ in default_files()]
-    assert "torch.nn.functional.yaml" in names and "torch.Tensor.yaml" in names
+    assert "torch.nn.functional.yaml" in names and "torch.Tensor.yaml" in names and "torch.fft.yaml" in names
 
 
 @pytest.mark.parametrize(
@@ -151,6 +153,16 @@ def test_conditions_pick_policy_by_dtype():
     assert ("torch.nn.functional", "softmax") not in bf16  # BF16 kernels accumulate in FP32
     assert fp16[("torch.nn.functional", "binary_cross_entropy")].policy == "banned"
     assert bf16[("torch.nn.functional", "binary_cross_entropy")].policy == "float"
+
+
+def test_conditions_pick_policy_by_dtype_and_device():
+    # grid_sample follows each autocast: FP32 on CPU (BF16), promote on CUDA (either dtype).
+    table = load()
+    key = ("torch.nn.functional", "grid_sample")
+    assert table.resolve(torch.bfloat16, "cpu")[key].policy == "float"
+    assert table.resolve(torch.bfloat16, "cuda")[key].policy == "promote"
+    assert table.resolve(torch.float16, "cpu")[key].policy == "promote"
+    assert table.resolve(torch.float16, "cuda")[key].policy == "promote"
 
 
 def test_optional_missing_op_is_logged_not_silent(caplog):

@@ -49,7 +49,7 @@ LOW = (f16, bf16)
 HALF = {"float16": f16, "bfloat16": bf16}
 DNAMES = list(HALF)
 VARIANTS = ("fp32", "half", "mixed")
-FUNCTION_NAMESPACES = ("torch", "torch.nn.functional", "torch.linalg", "torch.special")
+FUNCTION_NAMESPACES = ("torch", "torch.nn.functional", "torch.linalg", "torch.special", "torch.fft")
 INPLACE_DUNDERS = frozenset(
     f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor")
 )
@@ -132,7 +132,7 @@ def split(form: str) -> Tuple[str, str]:
 def short(form: str) -> str:
     """A readable test id: F.linear, Tensor.__add__, linalg.det, torch.exp."""
     for long, abbrev in (("torch.nn.functional.", "F."), ("torch.Tensor.", "Tensor."), ("torch.linalg.", "linalg."),
-                         ("torch.special.", "special."), ("torch._VF.", "_VF.")):
+                         ("torch.special.", "special."), ("torch.fft.", "fft."), ("torch._VF.", "_VF.")):
         if form.startswith(long):
             return abbrev + form[len(long):]
     return form
@@ -500,6 +500,8 @@ ATEN_NAMES: Dict[str, Optional[str]] = {
     "torch.nn.functional.softmin": "softmax",
     "torch.nn.functional.normalize": "linalg_vector_norm",
     "torch.nn.functional.cross_entropy": "cross_entropy_loss",
+    # Both autocasts have a grid_sampler kernel: promote on CUDA, FP32 on CPU
+    # (as for the grid_sampler_2d/3d it calls).
     "torch.nn.functional.grid_sample": "grid_sampler",
     # The samples upsample 2-D inputs, bilinear for interpolate/upsample.
     "torch.nn.functional.interpolate": "upsample_bilinear2d",
@@ -520,6 +522,8 @@ def aten_name(form: str) -> Optional[str]:
         return f"linalg_{name}"
     if ns == "torch.special":
         return name if name in SPECIAL_ALIASES else f"special_{name}"
+    if ns == "torch.fft":
+        return f"fft_{name}"
     return name
 
 

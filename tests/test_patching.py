@@ -127,6 +127,25 @@ def test_float_policy_and_promote(o1):
     assert (i + i).dtype == torch.int64
 
 
+def test_o4_runs_bf16_fft_in_fp32_where_torch_alone_raises():
+    # CPU FFT kernels have no BF16 support; the float policy makes BF16 code work.
+    x = torch.randn(16).bfloat16()
+    with pytest.raises(RuntimeError, match="Unsupported dtype BFloat16"):
+        torch.fft.rfft(x)
+    expected = torch.fft.rfft(x.float())
+    # A complex input is not cast: irfft sees it as it is.
+    z = torch.randn(9, dtype=torch.complex64)
+    expected_z = torch.fft.irfft(z)
+    amp_patch.initialize(None, None, "O4")
+    try:
+        out, out_z = torch.fft.rfft(x), torch.fft.irfft(z)
+    finally:
+        amp_patch.deinitialize()
+    assert out.dtype == torch.complex64
+    assert torch.equal(out, expected)
+    assert out_z.dtype == torch.float32 and torch.equal(out_z, expected_z)
+
+
 def test_casting_recurses_into_containers_only_floating(o1):
     o1(torch.bfloat16)
     seqs = [torch.randn(2, 3), torch.randn(2, 3, dtype=torch.bfloat16)]
@@ -378,6 +397,72 @@ def test_register_functions_and_decorators():
             amp_patch.register_half_function(mod, "nope")
     finally:
         frontend._user_registrations.clear()
+
+
+def test_registered_method_of_a_class_keeps_its_receiver():
+    """A registered instance method is called with its own ``self`` and its
+    tensor arguments cast, whether reached through an instance or the class."""
+
+    class Scaler:
+        def __init__(self, k):
+            self.k = k
+
+        def apply(self, x, w):
+            return (x @ w) * self.k
+
+    from amp_patch import frontend
+
+    amp_patch.register_half_function(Scaler, "apply")
+    try:
+        s = Scaler(3.0)
+        x, w = torch.randn(2, 4), torch.randn(4, 4)
+        amp_patch.initialize(None, None, "O1", half_dtype=torch.float16)
+        try:
+            for out in (s.apply(x, w), Scaler.apply(s, x, w), s.apply(x, w=w)):
+                assert out.dtype == torch.float16
+                assert torch.equal(out, (x.half() @ w.half()) * 3.0)
+        finally:
+            amp_patch.deinitialize()
+        assert vars(Scaler)["apply"].__name__ == "apply" and not hasattr(vars(Scaler)["apply"], "__wrapped__")
+    finally:
+        frontend._user_registrations.clear()
+
+
+def test_patched_python_function_binds_like_the_original_as_a_class_attribute(o1):
+    """A module-level Python function stored on a class after initialize binds
+    to the instance as the plain function would, and still casts."""
+    original = F.mse_loss
+    o1(torch.bfloat16)
+    assert isinstance(F.mse_loss, wrapt.FunctionWrapper) and F.mse_loss.__wrapped__ is original
+
+    class Loss:
+        fn = F.mse_loss
+
+    class Plain:
+        fn = original
+
+    x, y = torch.randn(4, 4).bfloat16(), torch.randn(4, 4).bfloat16()
+    # bound: the instance becomes the first argument, with or without amp_patch
+    with pytest.raises(Exception) as plain:
+        Plain().fn(x, y)
+    with pytest.raises(type(plain.value), match=str(plain.value).replace("Plain", "Loss")):
+        Loss().fn(x, y)
+    out = Loss.fn(x, y)  # through the class: a plain call
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.nn.functional.mse_loss.__wrapped__(x.float(), y.float()))
+
+
+def test_tensor_method_wrapper_binds_its_receiver(o1):
+    o1(torch.bfloat16)
+    x, y = torch.randn(3, 3), torch.randn(3, 3).bfloat16()
+    bound = x.__add__
+    assert bound.__self__ is x and isinstance(torch.Tensor.__add__, wrapt.FunctionWrapper)
+    assert torch.Tensor.__add__.__wrapped__ is torch._C.TensorBase.__add__
+    for out in (bound(y), torch.Tensor.__add__(x, y), x + y, y + x):
+        assert out.dtype == torch.float32  # promote: FP32 with BF16 runs in FP32
+        assert torch.equal(out, torch._C.TensorBase.__add__(x, y.float()))
+    with pytest.raises(TypeError):
+        torch.Tensor.__add__()  # no receiver: torch's own error
 
 
 def test_returns_structure_it_was_given():

@@ -18,6 +18,7 @@ import weakref
 
 import pytest
 import torch
+import wrapt
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -43,7 +44,7 @@ def _rss_bytes():
 
 
 def _wrappers():
-    return sum(1 for o in gc.get_objects() if type(o).__name__ in ("FunctionWrapper", "BoundFunctionWrapper"))
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)))
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
