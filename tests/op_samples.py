@@ -503,6 +503,11 @@ def _layer_norm(r):
     return (r.randn(2, 3, 4), [4], r.randn(4), r.randn(4)), {}
 
 
+@sample("torch.native_layer_norm")
+def _native_layer_norm(r):
+    return (r.randn(2, 3, 4), [4], r.randn(4), r.randn(4), 1e-5), {}
+
+
 @sample(*_both("group_norm"))
 def _group_norm(r):
     return (r.randn(2, 4, 3), 2, r.randn(4), r.randn(4)), {}
