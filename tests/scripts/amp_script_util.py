@@ -1,6 +1,7 @@
 """Helpers shared by the launcher's test scripts (imported as a sibling module,
 which needs the script's folder at sys.path[0], as `python script.py` puts it)."""
 import json
+import os
 import sys
 
 import torch
@@ -32,6 +33,9 @@ def batch(step):
 
 
 def report(**fields):
-    # One JSON line the tests look for; flush so it survives a later exit code.
-    print("RESULT " + json.dumps(fields, default=str), flush=True)
+    # One JSON line the tests look for, written with its newline in a single
+    # write: torchrun's ranks share one pipe, and an unbuffered print writes
+    # the text and the newline separately, so another rank's line could land
+    # between them. Flushed so it survives a later exit code.
     sys.stdout.flush()
+    os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(fields, default=str) + "\n").encode())
