@@ -192,7 +192,7 @@ class OpNames:
         if found:
             return found
         # A Tensor method reached through an instance (ours arrives as a
-        # bound wrapt proxy) is named by its receiver's class.
+        # method object over its wrapper) is named by its receiver's class.
         if isinstance(getattr(func, "__self__", None), torch.Tensor):
             name = getattr(func, "__name__", None)
             if isinstance(name, str) and hasattr(torch.Tensor, name):
