@@ -140,26 +140,17 @@ def cast(obj: Any, to: torch.dtype, cache: CastCache | None, stats=None) -> Any:
 
 def cast_args(args: Any, to: torch.dtype, cache: CastCache | None) -> list:
     """``cast`` for a flat argument tuple, with tensors handled inline (the
-    casting call path runs this on every call that casts). A cache hit is
-    checked inline too, with ``CastCache.cast``'s test: most casts of a
-    training step are weights the cache already holds."""
+    casting call path runs this on every call that casts)."""
     convert = CONVERT[to]
-    entries = cache._maps[_grad_enabled()] if cache is not None and to is not f32 else None
+    if to is f32:
+        cache = None  # the cache keeps half copies only
     out = []
     for a in args:
         if isinstance(a, Tensor):
             dt = a.dtype
             if dt is not to and dt in CASTABLE:
                 # only a tensor that requires grad can be a cached weight
-                if entries is not None and a.requires_grad:
-                    e = entries.get(id(a))
-                    if e is not None and e[0] is a and e[1] is to and e[2] == a._version and e[3] == a.data_ptr():
-                        cache.hits += 1
-                        a = e[4]
-                    else:
-                        a = cache.cast(a, to)
-                else:
-                    a = convert(a)
+                a = cache.cast(a, to) if cache is not None and a.requires_grad else convert(a)
         elif isinstance(a, (list, tuple, dict)):
             a = cast(a, to, cache)
         out.append(a)

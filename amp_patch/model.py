@@ -279,7 +279,7 @@ def _convert(model: nn.Module, dtype: torch.dtype, out_dtype: torch.dtype, keep_
                 rec.handles.append(mod.register_forward_hook(CastOutputs(dtype)))
             continue
         changed = False
-        for pname, p in mod._parameters.items():
+        for p in mod._parameters.values():
             if p is None or id(p) in seen_params or p.dtype not in CASTABLE or p.dtype == dtype:
                 continue
             seen_params.add(id(p))

@@ -38,7 +38,7 @@ import torch
 from . import _state, master
 from .errors import ConfigError, OverflowLoopError, StateError
 from .scaler import LossScaler
-from .wrappers import switch
+from .wrappers import OpWrapper, switch
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
@@ -491,8 +491,6 @@ def _clip_targets() -> List[Tuple[Any, str]]:
 
 
 def _make_clip_patch(amp: Any):
-    import wrapt
-
     def clip(wrapped, instance, args, kwargs):
         run = _runs.get(amp)
         if run is None or _state.current() is not amp:
@@ -504,7 +502,7 @@ def _make_clip_patch(amp: Any):
             kwargs = dict(kwargs, parameters=_to_masters(amp, kwargs["parameters"]))
         return wrapped(*args, **kwargs)
 
-    return lambda original: wrapt.FunctionWrapper(original, clip)
+    return lambda original: OpWrapper(original, clip)
 
 
 def _to_masters(amp: Any, parameters: Any) -> Any:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import amp_patch
 from amp_patch.oplists import NAMESPACES
+from helpers import ENV
 
 SNAPSHOT = {name: obj for name, obj in NAMESPACES.items()}
 
@@ -39,6 +40,13 @@ def torch_left_unpatched():
 
 
 _MISSING = object()
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """Unset every environment variable amp_patch reads, for the test's duration."""
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
 
 
 def cuda_available() -> bool:

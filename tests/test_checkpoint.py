@@ -2,7 +2,6 @@
 loading into the masters, and bit-exact resume in a fresh process."""
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import torch
 
 import amp_patch
 from amp_patch.errors import StateError
+from helpers import amp
 
 bf16, f32 = torch.bfloat16, torch.float32
 
@@ -87,16 +87,6 @@ RECIPE = textwrap.dedent(
 )
 recipe: dict = {}
 exec(compile(RECIPE, "<recipe>", "exec"), recipe)
-
-
-@contextlib.contextmanager
-def amp(*args, **kwargs):
-    kwargs.setdefault("verbosity", 0)
-    out = amp_patch.initialize(*args, **kwargs)
-    try:
-        yield out
-    finally:
-        amp_patch.deinitialize()
 
 
 def trained_o2(steps=3, **kwargs):

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import types
 from pathlib import Path
 
@@ -18,16 +17,11 @@ import yaml
 
 import amp_patch
 from amp_patch import cli, oplists, scaling
+from helpers import ENV, write
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parent.parent
-ENV = ("AMP_PATCH_OPT_LEVEL", "AMP_PATCH_HALF_DTYPE", "AMP_PATCH_LOSS_SCALE", "AMP_PATCH_LISTS")
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 @pytest.fixture
@@ -37,12 +31,6 @@ def marker_script(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(f"open({str(marker)!r}, 'w').write('yes')\n")
     return script, marker
-
-
-def write(tmp_path, name, body):
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return path
 
 
 # ----------------------------------------------------------- run: bad input

@@ -85,6 +85,26 @@ def _max_rel(a, b):
 # --------------------------------------------------------------- torch.compile
 
 
+def _eager_and_compiled(level, half, base, dtypes=None):
+    """Train two copies of ``base`` in a session each, one eagerly and one
+    through ``torch.compile`` (aot_eager); return both runs' final weights and
+    per-step outputs. ``dtypes``, if given, collects the compiled run's
+    last-layer output dtypes."""
+    data = _data()
+    eager_out, compiled_out = [], []
+    eager = _session(level, half, copy.deepcopy(base), lambda m, o: (_train(m, o, data, record=eager_out), _params(m))[1])
+
+    def compiled(m, o):
+        cm = torch.compile(m, backend="aot_eager")
+        if dtypes is not None:
+            m[-1].register_forward_hook(lambda mod, i, out: dtypes.append(out.dtype))
+        _train(m, o, data, forward=cm, record=compiled_out)
+        return _params(m)
+
+    got = _session(level, half, copy.deepcopy(base), compiled)
+    return eager, got, eager_out, compiled_out
+
+
 @pytest.fixture
 def dynamo():
     torch._dynamo.reset()
@@ -97,16 +117,7 @@ def dynamo():
 def test_compiled_model_level_matches_eager(dynamo, case):
     level, half = case
     base = _net()
-    data = _data()
-    eager_out, compiled_out = [], []
-    eager = _session(level, half, copy.deepcopy(base), lambda m, o: (_train(m, o, data, record=eager_out), _params(m))[1])
-
-    def compiled(m, o):
-        cm = torch.compile(m, backend="aot_eager")
-        _train(m, o, data, forward=cm, record=compiled_out)
-        return _params(m)
-
-    got = _session(level, half, copy.deepcopy(base), compiled)
+    eager, got, eager_out, compiled_out = _eager_and_compiled(level, half, base)
     # The hooks that cast inputs and outputs were traced into one graph.
     assert dict(dynamo["graph_break"]) == {}
     assert dynamo["stats"]["unique_graphs"] >= 1
@@ -120,19 +131,8 @@ def test_compiled_model_level_matches_eager(dynamo, case):
 @pytest.mark.parametrize("case", [("O1", f16), ("O1", bf16), ("O4", bf16)], ids=_id)
 def test_compiled_function_patching_level_matches_eager_without_graph_breaks(dynamo, case):
     level, half = case
-    base = _net()
-    data = _data()
-    eager_out, compiled_out = [], []
-    eager = _session(level, half, copy.deepcopy(base), lambda m, o: (_train(m, o, data, record=eager_out), _params(m))[1])
-
-    def compiled(m, o):
-        cm = torch.compile(m, backend="aot_eager")
-        dtypes = []
-        m[-1].register_forward_hook(lambda mod, i, out: dtypes.append(out.dtype))
-        _train(m, o, data, forward=cm, record=compiled_out)
-        return _params(m), dtypes
-
-    got, dtypes = _session(level, half, copy.deepcopy(base), compiled)
+    dtypes = []
+    eager, got, eager_out, compiled_out = _eager_and_compiled(level, half, _net(), dtypes)
     # The wrappers are traced through: the casts are in the graph, no break.
     assert dict(dynamo["graph_break"]) == {}
     assert set(dtypes) == {half}

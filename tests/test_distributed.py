@@ -67,6 +67,22 @@ def _raw(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _train(model, net, opt, rank):
+    """STEPS plain steps of ``net`` (``model`` or a wrapper of it). Returns the
+    losses, the list that collects ``model[0]``'s output dtypes (it goes on
+    collecting), and the last input."""
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    losses = []
+    for (x, t), in _batches(rank):
+        opt.zero_grad()
+        loss = F.mse_loss(net(x).float(), t)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, seen, x
+
+
 def _ddp_case(rank, level, half):
     import amp_patch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -79,15 +95,7 @@ def _ddp_case(rank, level, half):
     model, opt = amp_patch.initialize(model, opt, level, half_dtype=getattr(torch, half))
     try:
         ddp = DDP(model)
-        seen = []
-        model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-        losses = []
-        for (x, t), in _batches(rank):
-            opt.zero_grad()
-            loss = F.mse_loss(ddp(x).float(), t)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses, seen, x = _train(model, ddp, opt, rank)
         # Each rank's last training forward updated its batchnorm statistics
         # from its own batch; an eval forward takes rank 0's, as DDP does.
         ddp.eval()
@@ -171,15 +179,7 @@ def _fsdp_case(rank, half):
         model, opt = amp_patch.initialize(model, opt, "O1", half_dtype=getattr(torch, half))
         try:
             net = DDP(model) if wrap == "ddp" else model
-            seen = []
-            model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-            losses = []
-            for (x, t), in _batches(rank):
-                opt.zero_grad()
-                loss = F.mse_loss(net(x).float(), t)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
+            losses, seen, _ = _train(model, net, opt, rank)
             return dict(state=_full(model), losses=losses, linear_dtype=str(seen[-1]), counters=amp_patch.counters())
         finally:
             amp_patch.deinitialize()

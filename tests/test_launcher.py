@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,14 +15,9 @@ import torch.nn.functional as F
 import amp_patch
 from amp_patch import ConfigError, ListError, _state, launcher, scaling
 from amp_patch.launcher import OptimizerHook, Session, Settings, owning_model
+from helpers import write
 
-ENV = ("AMP_PATCH_OPT_LEVEL", "AMP_PATCH_HALF_DTYPE", "AMP_PATCH_LOSS_SCALE", "AMP_PATCH_LISTS")
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 @pytest.fixture
@@ -32,12 +26,6 @@ def adopted(monkeypatch):
     seen = []
     monkeypatch.setattr(scaling, "adopt_optimizer", seen.append, raising=False)
     return seen
-
-
-def write(tmp_path, name, body):
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return path
 
 
 def optimizer_vars():

@@ -12,22 +12,13 @@ from torch import nn
 
 import amp_patch
 from amp_patch.errors import ConfigError
+from helpers import amp
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 
 # The first pickling of a tensor in a process caches copyreg's __slotnames__ on
 # torch.Tensor; do it now so the leak check around each test does not see it.
 pickle.dumps(nn.Parameter(torch.zeros(1)))
-
-
-@contextlib.contextmanager
-def amp(*args, **kwargs):
-    kwargs.setdefault("verbosity", 0)
-    out = amp_patch.initialize(*args, **kwargs)
-    try:
-        yield out
-    finally:
-        amp_patch.deinitialize()
 
 
 class ConvBN(nn.Module):
@@ -78,6 +69,15 @@ def mlp(seed=0, unused=False):
 def batch(i=0):
     g = torch.Generator().manual_seed(i)
     return torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
+
+
+def train_steps(model, opt, steps):
+    """``steps`` plain training steps, on ``batch(0)`` to ``batch(steps - 1)``."""
+    for i in range(steps):
+        opt.zero_grad()
+        x, y = batch(i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
 
 
 def dtypes(model):
@@ -279,11 +279,7 @@ def test_any_optimizer_steps_the_masters_exactly_as_by_hand(name):
     spare = model.spare.weight.detach().clone()
     opt = OPTIMIZERS[name](model.parameters())
     with amp(model, opt, "O2"):
-        for i in range(4):
-            opt.zero_grad()
-            x, y = batch(i)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
+        train_steps(model, opt, 4)
         masters = list(amp_patch.master_params(opt))
         assert all(torch.equal(a, b) for a, b in zip(masters, expected))
         # the half model is refreshed from the masters after each step
@@ -397,11 +393,7 @@ def test_deinitialize_brings_fp32_master_values_back_and_training_continues():
     params = list(model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with amp(model, opt, "O2"):
-        for i in range(3):
-            opt.zero_grad()
-            x, y = batch(i)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
+        train_steps(model, opt, 3)
         masters = [m.detach().clone() for m in amp_patch.master_params(opt)]
         bufs = [opt.state[m]["momentum_buffer"].clone() for m in amp_patch.master_params(opt)]
     assert list(model.parameters()) == params == opt.param_groups[0]["params"]

@@ -766,6 +766,21 @@ def pair_inputs(form: str, a: torch.dtype, b: torch.dtype) -> Tuple[tuple, dict]
     return map_tensors(op_samples.make(form), conv)
 
 
+def pair_outcomes(form: str, hand_cast_pair: Callable) -> Tuple[dict, dict]:
+    """For every dtype pair ``(a, b)``: the original's outcome on the pair's
+    inputs as ``hand_cast_pair(args, kwargs, a)`` casts them, and a fresh copy
+    of the inputs for the patched call."""
+    ns, name = split(form)
+    original = getattr(NAMESPACES[ns], name)
+    expected, inputs = {}, {}
+    for a, b in PAIRS:
+        args, kwargs = pair_inputs(form, a, b)
+        cargs, ckwargs = hand_cast_pair(args, kwargs, a)
+        expected[a, b] = run(lambda: original(*cargs, **ckwargs), (args, kwargs))
+        inputs[a, b] = pair_inputs(form, a, b)
+    return expected, inputs
+
+
 def ordinary_result(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     """amp_patch's rule, then torch's: mixed FP16/BF16/FP32 run in FP32, float64 and ints are left alone."""
     mixed = len({a, b} & set(CASTABLE)) > 1
@@ -779,15 +794,11 @@ OUT_OF_PLACE_PROMOTE = promote_forms(inplace=False)
 @pytest.mark.parametrize("form,dname", OUT_OF_PLACE_PROMOTE, ids=[f"{short(f)}-{d}" for f, d in OUT_OF_PLACE_PROMOTE])
 def test_promotion_table(form, dname, o1):
     """Every pair of input dtypes gives the original's result on inputs cast to the widest."""
-    ns, name = split(form)
-    original = getattr(NAMESPACES[ns], name)
-    expected, inputs = {}, {}
-    for a, b in PAIRS:
-        args, kwargs = pair_inputs(form, a, b)
-        to = widest([t.dtype for t in tensors((args, kwargs))])
-        cargs, ckwargs = hand_cast((args, kwargs), to)
-        expected[a, b] = run(lambda: original(*cargs, **ckwargs), (args, kwargs))
-        inputs[a, b] = pair_inputs(form, a, b)
+
+    def to_widest(args, kwargs, a):
+        return hand_cast((args, kwargs), widest([t.dtype for t in tensors((args, kwargs))]))
+
+    expected, inputs = pair_outcomes(form, to_widest)
     o1(HALF[dname])
     for (a, b), want in expected.items():
         where = f"{short(form)} ({dname}) on {a} and {b}"
@@ -811,15 +822,12 @@ INPLACE_PROMOTE = promote_forms(inplace=True)
 @pytest.mark.parametrize("form,dname", INPLACE_PROMOTE, ids=[f"{short(f)}-{d}" for f, d in INPLACE_PROMOTE])
 def test_inplace_promote_keeps_the_receiver_dtype(form, dname, o1):
     """An in-place promote op casts its other inputs to the receiver, which keeps its dtype."""
-    ns, name = split(form)
-    original = getattr(NAMESPACES[ns], name)
-    expected, inputs = {}, {}
-    for a, b in PAIRS:
-        args, kwargs = pair_inputs(form, a, b)
+
+    def to_receiver(args, kwargs, a):
         to = a if a in CASTABLE else None
-        cargs, ckwargs = (args[0],) + hand_cast(args[1:], to), hand_cast(kwargs, to)
-        expected[a, b] = run(lambda: original(*cargs, **ckwargs), (args, kwargs))
-        inputs[a, b] = pair_inputs(form, a, b)
+        return (args[0],) + hand_cast(args[1:], to), hand_cast(kwargs, to)
+
+    expected, inputs = pair_outcomes(form, to_receiver)
     assert any(w.error is None for w in expected.values()), f"{form}: no dtype pair runs at all"
     o1(HALF[dname])
     for (a, b), want in expected.items():

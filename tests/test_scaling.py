@@ -19,17 +19,9 @@ from torch import nn
 import amp_patch
 from amp_patch import scaling
 from amp_patch.errors import ConfigError, OverflowLoopError, StateError
+from helpers import amp
 
 FP16 = dict(half_dtype=torch.float16, verbosity=0)
-
-
-@contextlib.contextmanager
-def amp(*args, **kwargs):
-    out = amp_patch.initialize(*args, **kwargs)
-    try:
-        yield out
-    finally:
-        amp_patch.deinitialize()
 
 
 class Scale(nn.Module):
@@ -607,7 +599,7 @@ def _overflow_steps(n, caplog):
     model = Scale()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="amp_patch"):
-        with amp(model, opt, "O1", half_dtype=torch.float16, max_consecutive_skips=None):
+        with amp(model, opt, "O1", half_dtype=torch.float16, max_consecutive_skips=None, verbosity=1):
             for i in range(n):
                 opt.zero_grad()
                 loss_of(model, i, poison=True).backward()

@@ -1,0 +1,30 @@
+"""Helpers shared by several test modules (imported as a sibling module, as
+``op_samples`` is)."""
+from __future__ import annotations
+
+import contextlib
+import textwrap
+
+import amp_patch
+from amp_patch import launcher
+
+#: every environment variable amp_patch reads
+ENV = (launcher.ENV_OPT_LEVEL, launcher.ENV_HALF_DTYPE, launcher.ENV_LOSS_SCALE, launcher.ENV_LISTS)
+
+
+@contextlib.contextmanager
+def amp(*args, **kwargs):
+    """``initialize`` (quiet unless ``verbosity`` is given), always ``deinitialize``."""
+    kwargs.setdefault("verbosity", 0)
+    out = amp_patch.initialize(*args, **kwargs)
+    try:
+        yield out
+    finally:
+        amp_patch.deinitialize()
+
+
+def write(tmp_path, name, body):
+    """Write the dedented ``body`` to ``tmp_path / name``; return the path."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
