@@ -31,7 +31,7 @@ _lock = threading.RLock()
 EXTRA_OPTIONS = (
     "num_losses", "min_loss_scale", "max_loss_scale", "init_scale", "growth_factor", "backoff_factor",
     "growth_interval", "hysteresis", "max_consecutive_skips", "keep_fp32", "save_dtype",
-    "collect_stats", "find_overflow", "verbosity", "enabled",
+    "collect_stats", "find_overflow", "verbosity", "enabled", "fused_update",
 )
 
 # User registrations (register_*_function): (owner, name, policy), applied at
@@ -132,7 +132,9 @@ def initialize(
             ``patch_torch_functions``, ``keep_batchnorm_fp32``,
             ``master_weights``, ``loss_scale``, ``cast_model_outputs``) and the
             options in ``EXTRA_OPTIONS`` (loss scaler settings, ``keep_fp32``,
-            ``collect_stats``, ``find_overflow``, ...).
+            ``collect_stats``, ``find_overflow``, ``fused_update`` (O2/O5
+            with an unscaled loss: one compiled update per parameter instead
+            of three passes; see ``amp_patch.fused``), ...).
 
     Returns:
         ``(models, optimizers)`` in the structure they were given, or just the

@@ -144,6 +144,13 @@ class MasterWeights:
             buf = self.grads[i] = torch.empty_like(self.masters[i], memory_format=torch.preserve_format)
         return buf
 
+    def release_grad_buffers(self) -> None:
+        """Free the FP32 gradient buffers (the fused update reads the half gradients instead)."""
+        for i, m in enumerate(self.masters):
+            if m.grad is not None and m.grad is self.grads[i]:
+                m.grad = None
+            self.grads[i] = None
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the masters into the half model after a step (one multi-tensor copy)."""

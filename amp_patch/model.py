@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import _state, compat, master
+from . import _state, compat, fused, master
 from ._cast import CASTABLE, LOW, cast, needs_cast
 from .errors import ConfigError, StateError
 from .properties import parse_dtype
@@ -195,6 +195,7 @@ def validate(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optim
             )
         _filter(options["keep_fp32"], models)
     _save_dtype(options.get("save_dtype"))
+    fused.validate(props, options, list(optimizers))
 
     amp = _state.current()
     for i, opt in enumerate(optimizers):
@@ -392,3 +393,5 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
             handle.masters = mw
             for group in opt.param_groups:
                 mw.adopt(group, originals)
+            if amp.options.get("fused_update"):
+                handle.fused = fused.FusedUpdate(mw)

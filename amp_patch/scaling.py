@@ -86,6 +86,7 @@ class Handle:
         self.optimizer = optimizer
         self.run = run
         self.masters: Optional[master.MasterWeights] = None
+        self.fused: Any = None  # fused.FusedUpdate under fused_update=True
         self.patched = False
         self.saved: Dict[str, Any] = {}  # replaced instance attributes: name -> own value or _NOTSET
         self.originals: Dict[str, Any] = {}  # name -> the callable we call through
@@ -377,13 +378,16 @@ def _step(self, *args: Any, **kwargs: Any) -> Any:
                 f"loss = closure() before optimizer.step(), or use BF16 (no loss scaling)."
             )
         args, kwargs = (_AbsorbAfter(closure, run),) + tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
+    mw = h.masters
+    if h.fused is not None and closure is None and _fused_step(run, h):
+        h.steps += 1
+        return None
     _verdict(run)
     skip = bool(h.verdict)
     if not skip:
         # A skip verdict stands until the next backward: a second step() with
         # no backward in between must not apply the overflowed gradients.
         h.verdict = None
-    mw = h.masters
     if skip:
         h.skipped += 1
     else:
@@ -396,6 +400,20 @@ def _step(self, *args: Any, **kwargs: Any) -> Any:
         # new sum even if only model.zero_grad() (which cannot reach the masters) ran.
         mw.carried = False
     return None if skip else out
+
+
+def _fused_step(run: Run, h: Handle) -> bool:
+    """The fused update for this step, if its gradients are all still in the half model, unscaled."""
+    l = h.pending
+    if l is None or h.fed or h.stash is not None or h.masters.carried or run.scalers[l].active:
+        return False
+    if not h.fused.step():
+        return False
+    h.pending = None
+    h.verdict = None
+    h.unscaled = True
+    h.masters.carried = False
+    return True
 
 
 class _AbsorbAfter:
@@ -871,8 +889,10 @@ def counters() -> Dict[str, Any]:
     Returns:
         ``{"steps": int, "skipped": int, "loss_scale": [float per loss],
         "losses": [{"loss_scale", "steps", "skipped", "growth_tracker"}],
-        "optimizers": [{"steps", "skipped"}]}``; ``steps`` and ``skipped``
-        sum the optimizers' ``step()`` calls that ran and that were skipped.
+        "optimizers": [{"steps", "skipped", "fused"}]}``; ``steps`` and
+        ``skipped`` sum the optimizers' ``step()`` calls that ran and that
+        were skipped; ``fused`` counts the steps the fused update ran (under
+        ``fused_update=True``; the rest were plain O2 steps).
 
     Example::
 
@@ -881,7 +901,8 @@ def counters() -> Dict[str, Any]:
     """
     amp = _current("counters")
     run = _run(amp)
-    opts = [{"steps": h.steps, "skipped": h.skipped} for h in run.handles]
+    opts = [{"steps": h.steps, "skipped": h.skipped, "fused": h.fused.steps if h.fused is not None else 0}
+            for h in run.handles]
     return {
         "steps": sum(o["steps"] for o in opts),
         "skipped": sum(o["skipped"] for o in opts),

@@ -124,7 +124,9 @@ def build(name: str, gpu: bool = False, scale: float = 1.0, nbatches: int = 4) -
     raise ValueError(f"unknown workload {name!r}; use simplenet, transformer, convnet or smallops")
 
 
-MODES = ("fp32", "autocast", "O1", "O2", "O3")
+MODES = ("fp32", "autocast", "O1", "O2", "O2-fused", "O3")
+#: modes that need an unscaled loss (BF16): O2 with ``fused_update=True``
+UNSCALED_ONLY = ("O2-fused",)
 
 
 class Runner:
@@ -142,9 +144,10 @@ class Runner:
         self.scaler: Optional[torch.amp.GradScaler] = None
         if mode == "autocast" and device == "cuda" and half == torch.float16:
             self.scaler = torch.amp.GradScaler("cuda")
-        if mode in ("O1", "O2", "O3"):
+        if mode in ("O1", "O2", "O3", "O2-fused"):
             # amp_patch's state is per process: the suite runs each mode in its own.
-            self.model, self.opt = amp_patch.initialize(self.model, self.opt, mode, half_dtype=half, verbosity=0)
+            level, extra = (mode, {}) if mode != "O2-fused" else ("O2", {"fused_update": True})
+            self.model, self.opt = amp_patch.initialize(self.model, self.opt, level, half_dtype=half, verbosity=0, **extra)
 
     def step(self) -> torch.Tensor:
         x, y = self.batches[self.i % len(self.batches)]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._appdirs  # noqa: F401  torch.compile imports these two lazily, which
+import torch._thread_safe_fork  # noqa: F401  adds them to vars(torch) mid-test.
 import torch.nn.functional as F
 
 import amp_patch

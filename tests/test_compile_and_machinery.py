@@ -12,8 +12,6 @@ import copy
 
 import pytest
 import torch
-import torch._appdirs  # noqa: F401  torch.compile imports these two lazily, which
-import torch._thread_safe_fork  # noqa: F401  adds them to vars(torch) mid-test.
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters

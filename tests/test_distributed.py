@@ -33,7 +33,7 @@ STEPS = 5
 BAD_STEP = 2  # the step (0-based) at which rank 1 sees an inf
 DDP_CASES = [
     ("O1", "float16"), ("O1", "bfloat16"), ("O2", "float16"), ("O2", "bfloat16"),
-    ("O3", "float16"), ("O3", "bfloat16"), ("O4", "bfloat16"), ("O5", "bfloat16"),
+    ("O3", "float16"), ("O3", "bfloat16"), ("O4", "bfloat16"), ("O5", "bfloat16"), ("O5+fused_update", "bfloat16"),
 ]
 INF_CASES = ["inf-O1-plain", "inf-O2-scale_loss", "nosync-O1", "nosync-O2", "separate-models-O1"]
 FSDP_CASES = ["fsdp-O1-bfloat16", "fsdp-O1-float16"]
@@ -92,7 +92,9 @@ def _ddp_case(rank, level, half):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if level == "O3" else \
         torch.optim.AdamW(model.parameters(), lr=1e-2)
     start = _snapshot(model)
-    model, opt = amp_patch.initialize(model, opt, level, half_dtype=getattr(torch, half))
+    level, _, option = level.partition("+")
+    extra = {option: True} if option else {}
+    model, opt = amp_patch.initialize(model, opt, level, half_dtype=getattr(torch, half), **extra)
     try:
         ddp = DDP(model)
         losses, seen, x = _train(model, ddp, opt, rank)
@@ -316,8 +318,10 @@ def test_ddp_ranks_stay_bitwise_identical(ranks, level, half):
     assert r0["linear_dtype"] == f"torch.{half}"
     assert r0["state"]["0.weight"].dtype == torch.float32
     assert r0["raw"][0].dtype == (torch.float32 if level in ("O1", "O4") else getattr(torch, half))
-    assert all(m.dtype == torch.float32 for m in r0["masters"]) == (level not in ("O3",))
+    assert all(m.dtype == torch.float32 for m in r0["masters"]) == (level != "O3")
     assert r0["counters"]["skipped"] == r1["counters"]["skipped"]
+    # the fused update ran every step after the first (which creates AdamW's state)
+    assert r0["counters"]["optimizers"][0]["fused"] == (STEPS - 1 if "fused_update" in level else 0)
 
 
 @pytest.mark.parametrize("name", INF_CASES)

@@ -1,0 +1,257 @@
+"""The fused master update of O2/O5: ``initialize(..., fused_update=True)``.
+
+The plain O2 step does three passes over every parameter besides the
+optimizer's own: copy the half gradient into an FP32 buffer, run the user's
+optimizer on the FP32 masters, copy the masters into the half model. Each pass
+reads and writes whole tensors, so on a CPU the step costs what autocast's
+casts cost and O2 gains nothing. The fused update does the same arithmetic in
+one compiled (``torch.compile``) kernel per parameter: it reads the half
+gradient, the master and the optimizer state once, and writes the master, the
+state and the half weight once. No FP32 gradient exists, so the masters'
+gradient buffers are freed as well.
+
+What it covers, and why the rest falls back to the plain step:
+
+- ``torch.optim.SGD``, ``Adam`` and ``AdamW`` with their standard options
+  (``fused``, ``capturable`` and ``differentiable`` excluded). Their update is
+  rewritten here, with the learning rate as a tensor so a scheduler changing
+  it every step does not recompile. The results match the plain step to
+  float32 rounding, not bit for bit (the compiler orders the arithmetic its own
+  way); a run is still bitwise reproducible, checkpoints and resume included.
+- Only an unscaled loss (BF16, or ``loss_scale=1.0``): with a scaled loss the
+  gradients must be unscaled and checked before the step may run, and that is
+  the plain step's job. ``initialize`` refuses the combination.
+- A step whose gradients were already moved into the masters (gradient
+  accumulation over several backwards, ``clip_grad_norm_`` or
+  ``master_params`` before the step, ``unscale_``) is the plain step, since
+  those gradients are what must be applied. So is the first step, which
+  creates the optimizer state, and every step after the user changes a
+  hyperparameter other than the learning rate (one recompile would cost more
+  than it saves).
+- No C++ compiler (or a compile error of any kind): a warning, then the plain
+  step for the rest of the run.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+log = logging.getLogger("amp_patch")
+Tensor = torch.Tensor
+f32 = torch.float32
+
+#: optimizer class -> the group keys whose values the compiled update bakes in
+SUPPORTED = {
+    torch.optim.SGD: ("momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+    torch.optim.Adam: ("betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay"),
+    torch.optim.AdamW: ("betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay"),
+}
+_REFUSED_FLAGS = ("fused", "capturable", "differentiable")
+
+
+def check(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why ``optimizer`` cannot take the fused update, or None when it can."""
+    keys = SUPPORTED.get(type(optimizer))
+    if keys is None:
+        return f"{type(optimizer).__name__} is not one of torch.optim.SGD, Adam, AdamW"
+    for group in optimizer.param_groups:
+        for flag in _REFUSED_FLAGS:
+            if group.get(flag):
+                return f"{type(optimizer).__name__}({flag}=True) runs its own kernel"
+    return None
+
+
+def validate(props: Any, options: dict, optimizers: List[torch.optim.Optimizer]) -> None:
+    """Check ``fused_update`` before anything changes.
+
+    Raises:
+        ConfigError: naming what the fused update needs and the fix.
+    """
+    from .errors import ConfigError
+    from .scaler import LossScaler
+
+    on = options.get("fused_update", False)
+    if not isinstance(on, bool):
+        raise ConfigError(f"initialize: fused_update={on!r} must be True or False")
+    if not on:
+        return
+    if not props.master_weights:
+        raise ConfigError(
+            f"fused_update=True fuses the update of FP32 master weights, but opt_level={props.opt_level!r} has "
+            f"none; use it with O2 or O5 (or master_weights=True)"
+        )
+    if LossScaler(props.loss_scale).active:
+        raise ConfigError(
+            f"fused_update=True reads the half gradients as they are, but loss_scale={props.loss_scale!r} scales "
+            f"them and they must be unscaled and checked first; use BF16 (half_dtype=torch.bfloat16, as O5 "
+            f"does), or loss_scale=1.0, or drop fused_update"
+        )
+    for i, opt in enumerate(optimizers):
+        why = check(opt)
+        if why is not None:
+            raise ConfigError(
+                f"fused_update=True: optimizer {i}: {why}. Use torch.optim.SGD, Adam or AdamW without "
+                f"fused/capturable/differentiable, or drop fused_update"
+            )
+
+
+def _float(g: Tensor, maximize: bool) -> Tensor:
+    g = g.to(f32)
+    return -g if maximize else g
+
+
+def _sgd(params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], halfs: List[Tensor], lr: Tensor,
+         momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool) -> None:
+    """``torch.optim.SGD``'s update; ``halfs[i]`` receives ``params[i]`` (the masters come first)."""
+    for i, p in enumerate(params):
+        g = _float(grads[i], maximize)
+        if weight_decay != 0:
+            g = g + weight_decay * p
+        if momentum != 0:
+            b = bufs[i]
+            b.mul_(momentum).add_(g, alpha=1 - dampening)
+            g = g + momentum * b if nesterov else b
+        p.sub_(lr * g)
+        if i < len(halfs):
+            halfs[i].copy_(p)
+
+
+def _adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
+          max_sqs: List[Tensor], steps: List[Tensor], halfs: List[Tensor], lr: Tensor, beta1: float, beta2: float,
+          eps: float, weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool) -> None:
+    """``torch.optim.Adam``'s and ``AdamW``'s update (``decoupled`` weight decay for AdamW)."""
+    for i, p in enumerate(params):
+        g = _float(grads[i], maximize)
+        step = steps[i]
+        step.add_(1)
+        if weight_decay != 0:
+            if decoupled:
+                p.mul_(1 - lr * weight_decay)
+            else:
+                g = g + weight_decay * p
+        m, v = exp_avgs[i], exp_avg_sqs[i]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if amsgrad:
+            v = max_sqs[i].copy_(torch.maximum(max_sqs[i], v))
+        bias1 = 1 - beta1 ** step
+        bias2_sqrt = (1 - beta2 ** step).sqrt()
+        p.sub_((lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps))
+        if i < len(halfs):
+            halfs[i].copy_(p)
+
+
+class FusedUpdate:
+    """The fused update of one optimizer's FP32 masters (see the module docstring)."""
+
+    _compiled: Dict[str, Any] = {}  # one compiled function per kind, shared by every optimizer
+
+    def __init__(self, masters: Any):
+        self.mw = masters  # master.MasterWeights
+        self.off: Optional[str] = None  # why the fused update stopped for good
+        self.baked: Optional[List[Tuple[Any, ...]]] = None  # the hyperparameters it compiled with
+        self.lrs: List[Tensor] = []  # one 0-d tensor per param group
+        self.steps = 0  # fused steps taken
+
+    def _fn(self, kind: str) -> Any:
+        fn = self._compiled.get(kind)
+        if fn is None:
+            fn = self._compiled[kind] = torch.compile(_sgd if kind == "sgd" else _adam, dynamic=False)
+        return fn
+
+    def _lists(self, group: Dict[str, Any], opt: torch.optim.Optimizer) -> Optional[Tuple[List[Tensor], ...]]:
+        """(params, grads, halfs) of a group, masters first; None if one of them cannot be fused."""
+        mw = self.mw
+        ms: List[Tensor] = []
+        mgrads: List[Tensor] = []
+        halfs: List[Tensor] = []
+        own: List[Tensor] = []
+        ograds: List[Tensor] = []
+        for p in group["params"]:
+            i = mw.index.get(id(p))
+            if i is not None and mw.masters[i] is p:
+                g = mw.halfs[i].grad
+                if g is not None:
+                    ms.append(p)
+                    mgrads.append(g)
+                    halfs.append(mw.halfs[i])
+            elif p.grad is not None:
+                own.append(p)
+                ograds.append(p.grad)
+        params = ms + own
+        for p, g in zip(params, mgrads + ograds):
+            if p.dtype != f32 or g.is_sparse:
+                return None
+        return params, mgrads + ograds, halfs
+
+    @staticmethod
+    def _has_state(kind: str, group: Dict[str, Any], params: List[Tensor], opt: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer state the update reads exists (the first plain step creates it)."""
+        if kind == "sgd":
+            if group["momentum"] == 0:
+                return True
+            return all(opt.state.get(p, {}).get("momentum_buffer") is not None for p in params)
+        need = ("exp_avg", "exp_avg_sq", "step") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        return all(all(k in opt.state.get(p, {}) for k in need) for p in params)
+
+    def step(self) -> bool:
+        """Run the fused update of every param group; False (nothing changed) when it cannot."""
+        if self.off is not None or torch.compiler.is_compiling():
+            return False
+        opt = self.mw.optimizer
+        keys = SUPPORTED[type(opt)]
+        baked = [tuple(g.get(k) for k in keys) for g in opt.param_groups]
+        if self.baked is not None and baked != self.baked:
+            self._stop(f"a hyperparameter other than lr changed ({', '.join(keys)})")
+            return False
+        kind = "sgd" if type(opt) is torch.optim.SGD else "adam"
+        work = []
+        for group in opt.param_groups:
+            lists = self._lists(group, opt)
+            if lists is None or not self._has_state(kind, group, lists[0], opt):
+                return False
+            work.append(lists)
+        while len(self.lrs) < len(opt.param_groups):
+            self.lrs.append(torch.zeros((), dtype=f32))
+        gi = 0
+        try:
+            with torch.no_grad():
+                for gi, (group, (params, grads, halfs)) in enumerate(zip(opt.param_groups, work)):
+                    if not params:
+                        continue
+                    lr = self.lrs[gi]
+                    if lr.device != params[0].device:
+                        lr = self.lrs[gi] = lr.to(params[0].device)
+                    lr.fill_(group["lr"])
+                    state = [opt.state.get(p) for p in params]
+                    if kind == "sgd":
+                        m = group["momentum"]
+                        bufs = [s["momentum_buffer"] for s in state] if m != 0 else []
+                        self._fn(kind)(params, grads, bufs, halfs, lr, m, group["dampening"],
+                                       group["weight_decay"], group["nesterov"], group["maximize"])
+                    else:
+                        b1, b2 = group["betas"]
+                        ams = group["amsgrad"]
+                        self._fn(kind)(params, grads, [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state],
+                                       [s["max_exp_avg_sq"] for s in state] if ams else [],
+                                       [s["step"] for s in state], halfs, lr, b1, b2, group["eps"],
+                                       group["weight_decay"], ams, group["maximize"],
+                                       bool(group.get("decoupled_weight_decay", type(opt) is torch.optim.AdamW)))
+        except Exception as e:  # no compiler, or a compiler error: the plain step is always there
+            if gi:  # groups before this one have stepped already: the plain step must not repeat them
+                raise
+            self._stop(f"torch.compile failed ({type(e).__name__}: {e})", warn=True)
+            return False
+        self.baked = baked
+        self.steps += 1
+        for params, grads, halfs in work:
+            for h in halfs:
+                h.grad = None  # consumed; the next backward starts a new sum
+        self.mw.release_grad_buffers()
+        return True
+
+    def _stop(self, why: str, warn: bool = False) -> None:
+        self.off = why
+        (log.warning if warn else log.info)("amp_patch: fused_update off for the rest of this run: %s; the plain O2 step runs", why)

@@ -1,0 +1,195 @@
+"""``fused_update=True``: the compiled O2/O5 master update that reads the half
+gradients and writes the half model in one pass.
+
+Every case compares against the plain O2 step from the same start: the fused
+update must give the same masters to float32 rounding (it is compiled, so not
+bit for bit), leave the half model equal to its masters rounded, and fall back
+to the plain step wherever it cannot apply.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_patch
+from amp_patch import fused
+from amp_patch.errors import ConfigError
+from helpers import amp
+
+bf16, f32 = torch.bfloat16, torch.float32
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3, dampening=0.1),
+    "sgd_nesterov_maximize": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, maximize=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3),
+    "adamw_amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+}
+
+
+def run(name, steps, fused_update, sched=False):
+    """Train ``steps`` steps at O5; return (masters, half params, counters)."""
+    model = net()
+    opt = OPTIMIZERS[name](model.parameters())
+    with amp(model, opt, "O5", fused_update=fused_update) as (model, opt):
+        sch = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8) if sched else None
+        for i in range(steps):
+            x, y = batch(i)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            if sch is not None:
+                sch.step()
+        masters = [m.detach().clone() for m in amp_patch.master_params(opt)]
+        halfs = [p.detach().clone() for p in model.parameters()]
+        return masters, halfs, amp_patch.counters()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_one_fused_step_equals_the_plain_step(name):
+    # step 1 is plain where it creates optimizer state (all but SGD without momentum), step 2 fused
+    plain, _, c0 = run(name, 2, False)
+    got, halfs, c1 = run(name, 2, True)
+    assert c0["optimizers"][0]["fused"] == 0 and c1["optimizers"][0]["fused"] == (2 if name == "sgd" else 1)
+    for a, b in zip(plain, got):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    # the half model is its masters rounded, the kept-FP32 BatchNorm its own params
+    for m, h in zip(got, halfs):
+        assert torch.equal(h, m.to(h.dtype))
+    assert {h.dtype for h in halfs} == {bf16, f32}
+
+
+def test_sgd_stays_within_rounding_of_the_plain_step_over_a_schedule():
+    plain, _, _ = run("sgd_momentum", 8, False, sched=True)
+    got, _, c = run("sgd_momentum", 8, True, sched=True)
+    assert c["optimizers"][0]["fused"] == 7  # a changing lr does not stop it
+    for a, b in zip(plain, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_trains_and_the_fp32_gradient_buffers_are_freed():
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with amp(model, opt, "O5", fused_update=True) as (model, opt):
+        losses = []
+        for i in range(30):
+            x, y = batch(i % 2)
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        mw = amp_patch._state.current().optimizer_handles[id(opt)].masters
+        assert all(g is None for g in mw.grads)
+        assert all(m.grad is None for m in mw.masters)
+        assert all(p.grad is None for p in mw.halfs)  # consumed by the step
+        assert amp_patch.counters()["optimizers"][0]["fused"] == 29
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_accumulation_and_clipping_take_the_plain_step():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with amp(model, opt, "O5", fused_update=True) as (model, opt):
+        def step(accumulate, clip):
+            opt.zero_grad()
+            for i in range(2 if accumulate else 1):
+                x, y = batch(i)
+                F.mse_loss(model(x), y).backward()
+            if clip:
+                total = torch.nn.utils.clip_grad_norm_(amp_patch.master_params(opt), 1e-3)
+                assert total > 1e-3
+            opt.step()
+
+        step(False, False)
+        step(False, False)
+        assert amp_patch.counters()["optimizers"][0]["fused"] == 1
+        step(True, False)  # two backwards: the sum is in the FP32 masters already
+        assert amp_patch.counters()["optimizers"][0]["fused"] == 1
+        step(False, True)  # clipped master gradients must be the ones applied
+        assert amp_patch.counters()["optimizers"][0]["fused"] == 1
+        assert amp_patch.counters()["steps"] == 4
+        step(False, False)
+        assert amp_patch.counters()["optimizers"][0]["fused"] == 2
+
+
+def test_a_changed_momentum_stops_the_fused_update_for_good(caplog):
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with amp(model, opt, "O5", fused_update=True) as (model, opt):
+        for i in range(4):
+            if i == 2:
+                opt.param_groups[0]["momentum"] = 0.5
+            x, y = batch(i)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            with caplog.at_level(logging.INFO, logger="amp_patch"):
+                opt.step()
+        assert amp_patch.counters()["optimizers"][0]["fused"] == 1
+        assert "a hyperparameter other than lr changed" in caplog.text
+
+
+def test_a_compile_failure_warns_once_and_the_plain_step_goes_on(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(fused.FusedUpdate, "_fn", lambda self, kind: broken)
+    plain, _, _ = run("sgd_momentum", 4, False)
+    with caplog.at_level(logging.WARNING, logger="amp_patch"):
+        got, _, c = run("sgd_momentum", 4, True)
+    assert c["optimizers"][0]["fused"] == 0
+    assert caplog.text.count("torch.compile failed (RuntimeError: no C++ compiler)") == 1
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+
+
+def test_deinitialize_after_fused_steps_gives_back_the_fp32_model():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with amp(model, opt, "O5", fused_update=True) as (m, o):
+        for i in range(3):
+            x, y = batch(i)
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            o.step()
+        masters = [p.detach().clone() for p in amp_patch.master_params(o)]
+    assert all(p.dtype == f32 for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), masters))
+    assert all(p is q for p, q in zip(opt.param_groups[0]["params"], model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "kwargs, opt_factory, match",
+    [
+        (dict(opt_level="O5", fused_update="yes"), None, r"fused_update='yes' must be True or False"),
+        (dict(opt_level="O4", fused_update=True), None, r"opt_level='O4' has none; use it with O2 or O5"),
+        (dict(opt_level="O2", half_dtype=torch.float16, fused_update=True), None,
+         r"loss_scale=.dynamic. scales them .* \(half_dtype=torch.bfloat16"),
+        (dict(opt_level="O5", fused_update=True), lambda ps: torch.optim.RMSprop(ps),
+         r"optimizer 0: RMSprop is not one of torch.optim.SGD, Adam, AdamW"),
+        (dict(opt_level="O5", fused_update=True), lambda ps: torch.optim.Adam(ps, differentiable=True),
+         r"Adam\(differentiable=True\) runs its own kernel"),
+    ],
+)
+def test_bad_fused_update_setups_are_refused_before_anything_changes(kwargs, opt_factory, match):
+    model = net()
+    opt = (opt_factory or (lambda ps: torch.optim.SGD(ps, lr=0.1)))(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=match):
+        amp_patch.initialize(model, opt, verbosity=0, **kwargs)
+    assert not amp_patch.is_initialized()
+    assert all(p.dtype == f32 and torch.equal(p, b) for p, b in zip(model.parameters(), before))
