@@ -30,6 +30,10 @@ What it covers, and why the rest falls back to the plain step:
   than it saves).
 - No C++ compiler (or a compile error of any kind): a warning, then the plain
   step for the rest of the run.
+
+Each distinct layout (parameter shapes, baked hyperparameters) compiles once;
+past torch's recompile limit (``torch._dynamo.config.recompile_limit``, 8)
+the same update runs uncompiled, correct but no faster than the plain step.
 """
 from __future__ import annotations
 

@@ -65,3 +65,30 @@ def test_o2_trains_on_cuda_with_dynamic_scaling():
         assert losses[-1] < losses[0]
     finally:
         amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_fused_update_on_cuda_matches_the_plain_step(opt_name):
+    def train(fused):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if opt_name == "sgd" else \
+            torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = amp_patch.initialize(model, opt, "O5", fused_update=fused, verbosity=0)
+        try:
+            g = torch.Generator(device="cuda").manual_seed(1)
+            x = torch.randn(32, 64, device="cuda", generator=g)
+            y = torch.randn(32, 8, device="cuda", generator=g)
+            for _ in range(2):  # the first step creates the optimizer state, the second is fused
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            return [m.detach().clone() for m in amp_patch.master_params(opt)], amp_patch.counters()
+        finally:
+            amp_patch.deinitialize()
+
+    plain, _ = train(False)
+    got, c = train(True)
+    assert c["optimizers"][0]["fused"] == 1
+    for a, b in zip(plain, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
