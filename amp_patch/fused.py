@@ -5,10 +5,12 @@ optimizer's own: copy the half gradient into an FP32 buffer, run the user's
 optimizer on the FP32 masters, copy the masters into the half model. Each pass
 reads and writes whole tensors, so on a CPU the step costs what autocast's
 casts cost and O2 gains nothing. The fused update does the same arithmetic in
-one compiled (``torch.compile``) kernel per parameter: it reads the half
-gradient, the master and the optimizer state once, and writes the master, the
-state and the half weight once. No FP32 gradient exists, so the masters'
-gradient buffers are freed as well.
+one compiled (``torch.compile``) call per param group, a fused loop per
+parameter: it reads the half gradient, the master and the optimizer state
+once, and writes the master, the state and the half weight once. No FP32
+gradient exists, so the masters' gradient buffers are freed as well; the step
+consumes the gradients it read (the model's half ones and those of parameters
+kept in FP32), as the plain step consumes the masters' sum.
 
 What it covers, and why the rest falls back to the plain step:
 
@@ -18,16 +20,18 @@ What it covers, and why the rest falls back to the plain step:
   it every step does not recompile. The results match the plain step to
   float32 rounding, not bit for bit (the compiler orders the arithmetic its own
   way); a run is still bitwise reproducible, checkpoints and resume included.
-- Only an unscaled loss (BF16, or ``loss_scale=1.0``): with a scaled loss the
-  gradients must be unscaled and checked before the step may run, and that is
-  the plain step's job. ``initialize`` refuses the combination.
+- A scaled loss (FP16) works too: one multi-tensor max-abs pass over the half
+  gradients (2 bytes per parameter read) feeds the step's inf/NaN verdict,
+  which is taken as for the plain step (all-reduced under
+  ``torch.distributed``), and the update multiplies each gradient by the
+  inverse scale as it reads it. A skipped step touches nothing.
 - A step whose gradients were already moved into the masters (gradient
   accumulation over several backwards, ``clip_grad_norm_`` or
   ``master_params`` before the step, ``unscale_``) is the plain step, since
   those gradients are what must be applied. So is the first step, which
-  creates the optimizer state, and every step after the user changes a
-  hyperparameter other than the learning rate (one recompile would cost more
-  than it saves).
+  creates the optimizer state, a step whose parameters sit on more than one
+  device, and every step after the user changes a hyperparameter other than
+  the learning rate (one recompile would cost more than it saves).
 - No C++ compiler (or a compile error of any kind): a warning, then the plain
   step for the rest of the run.
 
@@ -74,7 +78,6 @@ def validate(props: Any, options: dict, optimizers: List[torch.optim.Optimizer])
         ConfigError: naming what the fused update needs and the fix.
     """
     from .errors import ConfigError
-    from .scaler import LossScaler
 
     on = options.get("fused_update", False)
     if not isinstance(on, bool):
@@ -86,12 +89,6 @@ def validate(props: Any, options: dict, optimizers: List[torch.optim.Optimizer])
             f"fused_update=True fuses the update of FP32 master weights, but opt_level={props.opt_level!r} has "
             f"none; use it with O2 or O5 (or master_weights=True)"
         )
-    if LossScaler(props.loss_scale).active:
-        raise ConfigError(
-            f"fused_update=True reads the half gradients as they are, but loss_scale={props.loss_scale!r} scales "
-            f"them and they must be unscaled and checked first; use BF16 (half_dtype=torch.bfloat16, as O5 "
-            f"does), or loss_scale=1.0, or drop fused_update"
-        )
     for i, opt in enumerate(optimizers):
         why = check(opt)
         if why is not None:
@@ -101,16 +98,17 @@ def validate(props: Any, options: dict, optimizers: List[torch.optim.Optimizer])
             )
 
 
-def _float(g: Tensor, maximize: bool) -> Tensor:
-    g = g.to(f32)
+def _float(g: Tensor, inv: Tensor, maximize: bool) -> Tensor:
+    """The true FP32 gradient: unscaled (``inv`` is 1 / loss scale) and negated for ``maximize``."""
+    g = g.to(f32) * inv
     return -g if maximize else g
 
 
 def _sgd(params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], halfs: List[Tensor], lr: Tensor,
-         momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool) -> None:
+         inv: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool) -> None:
     """``torch.optim.SGD``'s update; ``halfs[i]`` receives ``params[i]`` (the masters come first)."""
     for i, p in enumerate(params):
-        g = _float(grads[i], maximize)
+        g = _float(grads[i], inv, maximize)
         if weight_decay != 0:
             g = g + weight_decay * p
         if momentum != 0:
@@ -123,11 +121,11 @@ def _sgd(params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], halfs: L
 
 
 def _adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
-          max_sqs: List[Tensor], steps: List[Tensor], halfs: List[Tensor], lr: Tensor, beta1: float, beta2: float,
+          max_sqs: List[Tensor], steps: List[Tensor], halfs: List[Tensor], lr: Tensor, inv: Tensor, beta1: float, beta2: float,
           eps: float, weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool) -> None:
     """``torch.optim.Adam``'s and ``AdamW``'s update (``decoupled`` weight decay for AdamW)."""
     for i, p in enumerate(params):
-        g = _float(grads[i], maximize)
+        g = _float(grads[i], inv, maximize)
         step = steps[i]
         step.add_(1)
         if weight_decay != 0:
@@ -158,6 +156,8 @@ class FusedUpdate:
         self.baked: Optional[List[Tuple[Any, ...]]] = None  # the hyperparameters it compiled with
         self.lrs: List[Tensor] = []  # one 0-d tensor per param group
         self.steps = 0  # fused steps taken
+        self.invs: Dict[torch.device, Tensor] = {}  # 1 / loss scale as a 0-d tensor (no recompile when it moves)
+        self.inv_values: Dict[torch.device, float] = {}
 
     def _fn(self, kind: str) -> Any:
         fn = self._compiled.get(kind)
@@ -200,23 +200,49 @@ class FusedUpdate:
         need = ("exp_avg", "exp_avg_sq", "step") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
         return all(all(k in opt.state.get(p, {}) for k in need) for p in params)
 
-    def step(self) -> bool:
-        """Run the fused update of every param group; False (nothing changed) when it cannot."""
+    def plan(self) -> Optional[List[Tuple[List[Tensor], ...]]]:
+        """Per param group ``(params, grads, halfs)`` for a fused step, or None when this
+        step must be the plain one. Changes nothing."""
         if self.off is not None or torch.compiler.is_compiling():
-            return False
+            return None
         opt = self.mw.optimizer
         keys = SUPPORTED[type(opt)]
         baked = [tuple(g.get(k) for k in keys) for g in opt.param_groups]
         if self.baked is not None and baked != self.baked:
             self._stop(f"a hyperparameter other than lr changed ({', '.join(keys)})")
-            return False
+            return None
         kind = "sgd" if type(opt) is torch.optim.SGD else "adam"
         work = []
+        device = None
         for group in opt.param_groups:
             lists = self._lists(group, opt)
             if lists is None or not self._has_state(kind, group, lists[0], opt):
-                return False
+                return None
+            for p in lists[0]:
+                if device is None:
+                    device = p.device
+                elif p.device != device:  # one flag and one kernel per device: leave that to the plain step
+                    return None
             work.append(lists)
+        return work
+
+    @staticmethod
+    def non_finite(work: List[Tuple[List[Tensor], ...]]) -> Optional[Tensor]:
+        """A 0-d FP32 flag, > 0 when a gradient of ``work`` holds inf or NaN (no host sync)."""
+        grads = [g for _, gs, _ in work for g in gs]
+        if not grads:
+            return None
+        peaks = torch._foreach_norm(grads, float("inf"))  # max |g| per tensor; inf and NaN carry through
+        return torch.stack([t.float() for t in peaks]).isfinite().logical_not().any().float()
+
+    def run(self, work: List[Tuple[List[Tensor], ...]], inv_scale: float) -> bool:
+        """The fused update of every param group, gradients multiplied by ``inv_scale``.
+
+        Returns False, with nothing changed, when the compile fails (the fused
+        update is then off for the rest of the run).
+        """
+        opt = self.mw.optimizer
+        kind = "sgd" if type(opt) is torch.optim.SGD else "adam"
         while len(self.lrs) < len(opt.param_groups):
             self.lrs.append(torch.zeros((), dtype=f32))
         gi = 0
@@ -229,18 +255,19 @@ class FusedUpdate:
                     if lr.device != params[0].device:
                         lr = self.lrs[gi] = lr.to(params[0].device)
                     lr.fill_(group["lr"])
+                    inv = self._inv(params[0].device, inv_scale)
                     state = [opt.state.get(p) for p in params]
                     if kind == "sgd":
                         m = group["momentum"]
                         bufs = [s["momentum_buffer"] for s in state] if m != 0 else []
-                        self._fn(kind)(params, grads, bufs, halfs, lr, m, group["dampening"],
+                        self._fn(kind)(params, grads, bufs, halfs, lr, inv, m, group["dampening"],
                                        group["weight_decay"], group["nesterov"], group["maximize"])
                     else:
                         b1, b2 = group["betas"]
                         ams = group["amsgrad"]
                         self._fn(kind)(params, grads, [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state],
                                        [s["max_exp_avg_sq"] for s in state] if ams else [],
-                                       [s["step"] for s in state], halfs, lr, b1, b2, group["eps"],
+                                       [s["step"] for s in state], halfs, lr, inv, b1, b2, group["eps"],
                                        group["weight_decay"], ams, group["maximize"],
                                        bool(group.get("decoupled_weight_decay", type(opt) is torch.optim.AdamW)))
         except Exception as e:  # no compiler, or a compiler error: the plain step is always there
@@ -248,13 +275,33 @@ class FusedUpdate:
                 raise
             self._stop(f"torch.compile failed ({type(e).__name__}: {e})", warn=True)
             return False
-        self.baked = baked
+        self.baked = [tuple(g.get(k) for k in SUPPORTED[type(opt)]) for g in opt.param_groups]
         self.steps += 1
-        for params, grads, halfs in work:
-            for h in halfs:
-                h.grad = None  # consumed; the next backward starts a new sum
+        self.drop_grads(work)
         self.mw.release_grad_buffers()
         return True
+
+    @staticmethod
+    def drop_grads(work: List[Tuple[List[Tensor], ...]]) -> None:
+        """Clear the gradients a step consumed (or skipped): the next backward starts a new sum.
+
+        The model's half gradients and the FP32 parameters' own (still scaled
+        under FP16, so they must not be added to).
+        """
+        for params, _, halfs in work:
+            for h in halfs:
+                h.grad = None
+            for p in params[len(halfs):]:
+                p.grad = None
+
+    def _inv(self, device: torch.device, value: float) -> Tensor:
+        t = self.invs.get(device)
+        if t is None:
+            t = self.invs[device] = torch.ones((), dtype=f32, device=device)
+        if self.inv_values.get(device) != value:
+            t.fill_(value)
+            self.inv_values[device] = value
+        return t
 
     def _stop(self, why: str, warn: bool = False) -> None:
         self.off = why

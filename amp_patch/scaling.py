@@ -380,7 +380,6 @@ def _step(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = (_AbsorbAfter(closure, run),) + tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
     mw = h.masters
     if h.fused is not None and closure is None and _fused_step(run, h):
-        h.steps += 1
         return None
     _verdict(run)
     skip = bool(h.verdict)
@@ -403,16 +402,52 @@ def _step(self, *args: Any, **kwargs: Any) -> Any:
 
 
 def _fused_step(run: Run, h: Handle) -> bool:
-    """The fused update for this step, if its gradients are all still in the half model, unscaled."""
+    """Take this step with the fused update if its gradients are all still in the half model.
+
+    Returns False, with nothing done, when the plain step must run instead.
+    Under a scaled loss the half gradients are checked where they are; the
+    verdict is taken as for the plain step, and the update unscales as it reads.
+    """
     l = h.pending
-    if l is None or h.fed or h.stash is not None or h.masters.carried or run.scalers[l].active:
+    mw = h.masters
+    if l is None or h.fed or h.stash is not None or mw.carried:
         return False
-    if not h.fused.step():
+    work = h.fused.plan()
+    if work is None:
         return False
+    scaler = run.scalers[l]
     h.pending = None
-    h.verdict = None
-    h.unscaled = True
-    h.masters.carried = False
+    inv = 1.0
+    if scaler.active:
+        inv = 1.0 / scaler.scale  # the scale this backward ran with; the verdict may change it
+        flag = h.fused.non_finite(work)
+        if flag is not None:
+            key = (l, flag.device)
+            if key in run.found:
+                run.found[key].add_(flag)
+            else:
+                run.found[key] = flag
+            run.checked.add(l)
+        h.fed.add(l)
+        run.dirty = True
+        _verdict(run)
+        if h.verdict:  # as the plain step: the verdict stands until the next backward
+            h.fused.drop_grads(work)
+            h.skipped += 1
+            mw.carried = False
+            h.unscaled = False
+            return True
+        h.verdict = None
+    if not h.fused.run(work, inv):  # the compile failed: the plain step, from the half gradients
+        mw.absorb(None)
+        grads = [m.grad for m in mw.masters if m.grad is not None] + [p.grad for p in h.own_params() if p.grad is not None]
+        if inv != 1.0 and grads:
+            torch._foreach_mul_(grads, inv)
+        h.originals["step"]()
+        mw.refresh()
+    h.steps += 1
+    mw.carried = False
+    h.unscaled = False
     return True
 
 

@@ -37,7 +37,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from workloads import MODES, UNSCALED_ONLY, Runner, build  # noqa: E402
+from workloads import MODES, Runner, build  # noqa: E402
 
 WORKLOADS = ("simplenet", "transformer", "convnet", "smallops")
 
@@ -203,9 +203,6 @@ def main(argv=None):
     if args.quick:
         args.scale, args.rounds, args.block_seconds = 0.125, 2, 0.05
     half = getattr(torch, args.dtype) if args.dtype else (torch.float16 if args.device == "cuda" else torch.bfloat16)
-    if half == torch.float16:
-        # fused_update reads the gradients unscaled; FP16 needs loss scaling
-        args.modes = [m for m in args.modes if m not in UNSCALED_ONLY]
     torch.set_num_threads(args.threads)
     n = 512 if args.quick else 2048
     peak = gemm_peak(args.device, half, n=n)

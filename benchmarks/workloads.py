@@ -124,9 +124,8 @@ def build(name: str, gpu: bool = False, scale: float = 1.0, nbatches: int = 4) -
     raise ValueError(f"unknown workload {name!r}; use simplenet, transformer, convnet or smallops")
 
 
+#: "O2-fused" is O2 with ``fused_update=True``
 MODES = ("fp32", "autocast", "O1", "O2", "O2-fused", "O3")
-#: modes that need an unscaled loss (BF16): O2 with ``fused_update=True``
-UNSCALED_ONLY = ("O2-fused",)
 
 
 class Runner:

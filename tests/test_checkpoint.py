@@ -34,6 +34,8 @@ RECIPE = textwrap.dedent(
         "o2_bf16": dict(opt_level="O2", half_dtype=torch.bfloat16),
         "o1_fp16": dict(opt_level="O1", half_dtype=torch.float16, growth_interval=3),
         "o5_fused": dict(opt_level="O5", fused_update=True),
+        "o2_fp16_fused": dict(opt_level="O2", half_dtype=torch.float16, init_scale=2.0**14, growth_interval=3,
+                              fused_update=True),
     }
 
 

@@ -35,7 +35,8 @@ DDP_CASES = [
     ("O1", "float16"), ("O1", "bfloat16"), ("O2", "float16"), ("O2", "bfloat16"),
     ("O3", "float16"), ("O3", "bfloat16"), ("O4", "bfloat16"), ("O5", "bfloat16"), ("O5+fused_update", "bfloat16"),
 ]
-INF_CASES = ["inf-O1-plain", "inf-O2-scale_loss", "nosync-O1", "nosync-O2", "separate-models-O1"]
+INF_CASES = ["inf-O1-plain", "inf-O2-scale_loss", "nosync-O1", "nosync-O2", "separate-models-O1",
+             "inf-O2-fused", "nosync-O2-fused", "separate-models-O2-fused"]
 FSDP_CASES = ["fsdp-O1-bfloat16", "fsdp-O1-float16"]
 REFUSED = ["fsdp2-O2", "fsdp1-O2"]
 
@@ -120,7 +121,8 @@ def _inf_case(rank, name):
     micro = 2 if name.startswith("nosync") else 1
     model = _net(seed=rank if separate else 0, norm="layer")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model, opt = amp_patch.initialize(model, opt, level, half_dtype=torch.float16)
+    extra = {"fused_update": True} if name.endswith("-fused") else {}
+    model, opt = amp_patch.initialize(model, opt, level, half_dtype=torch.float16, **extra)
     try:
         net = model if separate else DDP(model)
         states, scales, skipped = [_snapshot(model)], [amp_patch.counters()["loss_scale"][0]], []
@@ -145,7 +147,7 @@ def _inf_case(rank, name):
             c = amp_patch.counters()
             scales.append(c["loss_scale"][0])
             skipped.append(c["skipped"])
-        return dict(states=states, scales=scales, skipped=skipped)
+        return dict(states=states, scales=scales, skipped=skipped, fused=c["optimizers"][0]["fused"])
     finally:
         amp_patch.deinitialize()
 
@@ -338,6 +340,8 @@ def test_inf_on_one_rank_skips_the_same_step_everywhere(ranks, name):
             assert not torch.equal(states[s]["0.weight"], states[s - 1]["0.weight"]), s
         assert scales[BAD_STEP + 1] == scales[BAD_STEP] / 2
         assert all(torch.isfinite(v).all() for v in states[-1].values())
+        # fused: every step but the first (SGD's momentum state) and the skipped one
+        assert r["fused"] == (STEPS - 2 if name.endswith("-fused") else 0)
     _assert_identical(r0["scales"], r1["scales"], "loss scale")
     if name.startswith("separate"):
         assert not torch.equal(r0["states"][0]["0.weight"], r1["states"][0]["0.weight"])
