@@ -416,18 +416,19 @@ def _fused_step(run: Run, h: Handle) -> bool:
     if work is None:
         return False
     scaler = run.scalers[l]
-    h.pending = None
     inv = 1.0
     if scaler.active:
         inv = 1.0 / scaler.scale  # the scale this backward ran with; the verdict may change it
         flag = h.fused.non_finite(work)
-        if flag is not None:
-            key = (l, flag.device)
-            if key in run.found:
-                run.found[key].add_(flag)
-            else:
-                run.found[key] = flag
-            run.checked.add(l)
+        if flag is None:  # the check did not compile: the plain step checks instead
+            return False
+        h.pending = None
+        key = (l, flag.device)
+        if key in run.found:
+            run.found[key].add_(flag)
+        else:
+            run.found[key] = flag
+        run.checked.add(l)
         h.fed.add(l)
         run.dirty = True
         _verdict(run)
@@ -438,6 +439,7 @@ def _fused_step(run: Run, h: Handle) -> bool:
             h.unscaled = False
             return True
         h.verdict = None
+    h.pending = None
     if not h.fused.run(work, inv):  # the compile failed: the plain step, from the half gradients
         mw.absorb(None)
         grads = [m.grad for m in mw.masters if m.grad is not None] + [p.grad for p in h.own_params() if p.grad is not None]

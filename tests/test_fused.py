@@ -179,19 +179,25 @@ def test_a_changed_momentum_stops_the_fused_update_for_good(caplog):
         assert "a hyperparameter other than lr changed" in caplog.text
 
 
-@pytest.mark.parametrize("config", [None, FP16], ids=["bf16", "fp16"])
-def test_a_compile_failure_warns_once_and_the_plain_step_goes_on(monkeypatch, caplog, config):
-    def broken(*args, **kwargs):
+@pytest.mark.parametrize(
+    "config, broken",
+    [(None, ("sgd",)), (FP16, ("sgd", "check")), (FP16, ("sgd",))],
+    ids=["bf16", "fp16-check-fails", "fp16-update-fails-after-the-check"],
+)
+def test_a_compile_failure_warns_once_and_the_plain_step_goes_on(monkeypatch, caplog, config, broken):
+    def fails(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(fused.FusedUpdate, "_fn", lambda self, kind: broken)
+    real = fused.FusedUpdate._fn
+    monkeypatch.setattr(fused.FusedUpdate, "_fn", lambda self, kind: fails if kind in broken else real(self, kind))
     inf_at = 2 if config else None  # a skipped step under FP16 (BF16 has none to skip)
     plain, _, c0 = run("sgd_momentum", 5, False, config=config, inf_at=inf_at)
     with caplog.at_level(logging.WARNING, logger="amp_patch"):
         got, _, c = run("sgd_momentum", 5, True, config=config, inf_at=inf_at)
     assert c["optimizers"][0]["fused"] == 0
     assert caplog.text.count("torch.compile failed (RuntimeError: no C++ compiler)") == 1
-    assert c["skipped"] == c0["skipped"] and c["loss_scale"] == c0["loss_scale"]
+    assert c["skipped"] == c0["skipped"] == (1 if config else 0)
+    assert c["loss_scale"] == c0["loss_scale"]
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
 
 
