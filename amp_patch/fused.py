@@ -121,8 +121,9 @@ def _sgd(params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], halfs: L
 
 
 def _adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
-          max_sqs: List[Tensor], steps: List[Tensor], halfs: List[Tensor], lr: Tensor, inv: Tensor, beta1: float, beta2: float,
-          eps: float, weight_decay: float, amsgrad: bool, maximize: bool, decoupled: bool) -> None:
+          max_sqs: List[Tensor], steps: List[Tensor], halfs: List[Tensor], lr: Tensor, inv: Tensor,
+          beta1: float, beta2: float, eps: float, weight_decay: float, amsgrad: bool, maximize: bool,
+          decoupled: bool) -> None:
     """``torch.optim.Adam``'s and ``AdamW``'s update (``decoupled`` weight decay for AdamW)."""
     for i, p in enumerate(params):
         g = _float(grads[i], inv, maximize)
@@ -319,4 +320,5 @@ class FusedUpdate:
 
     def _stop(self, why: str, warn: bool = False) -> None:
         self.off = why
-        (log.warning if warn else log.info)("amp_patch: fused_update off for the rest of this run: %s; the plain O2 step runs", why)
+        say = log.warning if warn else log.info
+        say("amp_patch: fused_update off for the rest of this run: %s; the plain O2 step runs", why)

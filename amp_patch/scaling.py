@@ -442,7 +442,8 @@ def _fused_step(run: Run, h: Handle) -> bool:
     h.pending = None
     if not h.fused.run(work, inv):  # the compile failed: the plain step, from the half gradients
         mw.absorb(None)
-        grads = [m.grad for m in mw.masters if m.grad is not None] + [p.grad for p in h.own_params() if p.grad is not None]
+        grads = [m.grad for m in mw.masters if m.grad is not None]
+        grads += [p.grad for p in h.own_params() if p.grad is not None]
         if inv != 1.0 and grads:
             torch._foreach_mul_(grads, inv)
         h.originals["step"]()
