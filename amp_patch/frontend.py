@@ -132,9 +132,9 @@ def initialize(
             ``patch_torch_functions``, ``keep_batchnorm_fp32``,
             ``master_weights``, ``loss_scale``, ``cast_model_outputs``) and the
             options in ``EXTRA_OPTIONS`` (loss scaler settings, ``keep_fp32``,
-            ``collect_stats``, ``find_overflow``, ``fused_update`` (O2/O5
-            with an unscaled loss: one compiled update per parameter instead
-            of three passes; see ``amp_patch.fused``), ...).
+            ``collect_stats``, ``find_overflow``, ``fused_update`` (O2/O5:
+            the optimizer step as one compiled pass per param group instead
+            of three; see ``amp_patch.fused``), ...).
 
     Returns:
         ``(models, optimizers)`` in the structure they were given, or just the

@@ -42,7 +42,7 @@ the same update runs uncompiled, correct but no faster than the plain step.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -155,19 +155,31 @@ def _non_finite(grads: List[Tensor]) -> Tensor:
 _KERNELS = {"sgd": _sgd, "adam": _adam, "check": _non_finite}
 
 
+class Plan(NamedTuple):
+    """What one fused step works on: per param group ``(params, grads, halfs)``
+    (masters first, ``halfs[i]`` receiving ``params[i]``), their one device, and
+    the hyperparameters it bakes in."""
+
+    groups: List[Tuple[List[Tensor], List[Tensor], List[Tensor]]]
+    device: torch.device
+    hyper: List[Tuple[Any, ...]]
+
+
 class FusedUpdate:
     """The fused update of one optimizer's FP32 masters (see the module docstring)."""
 
-    _compiled: Dict[str, Any] = {}  # one compiled function per kind, shared by every optimizer
+    _compiled: Dict[str, Any] = {}  # one compiled function per kernel, shared by every optimizer
 
     def __init__(self, masters: Any):
         self.mw = masters  # master.MasterWeights
+        opt = masters.optimizer
+        self.kind = "sgd" if type(opt) is torch.optim.SGD else "adam"
+        self.keys = SUPPORTED[type(opt)]
+        self.decoupled = type(opt) is torch.optim.AdamW  # Adam's default when a group has no such key
         self.off: Optional[str] = None  # why the fused update stopped for good
         self.baked: Optional[List[Tuple[Any, ...]]] = None  # the hyperparameters it compiled with
-        self.lrs: List[Tensor] = []  # one 0-d tensor per param group
+        self.lr: Optional[Tensor] = None  # 0-d, refilled per group: a new lr is not a recompile
         self.steps = 0  # fused steps taken
-        self.invs: Dict[torch.device, Tensor] = {}  # 1 / loss scale as a 0-d tensor (no recompile when it moves)
-        self.inv_values: Dict[torch.device, float] = {}
 
     def _fn(self, kind: str) -> Any:
         fn = self._compiled.get(kind)
@@ -175,148 +187,141 @@ class FusedUpdate:
             fn = self._compiled[kind] = torch.compile(_KERNELS[kind], dynamic=False)
         return fn
 
-    def _lists(self, group: Dict[str, Any], opt: torch.optim.Optimizer) -> Optional[Tuple[List[Tensor], ...]]:
-        """(params, grads, halfs) of a group, masters first; None if one of them cannot be fused."""
+    def _lists(self, group: Dict[str, Any], device: Optional[torch.device]) -> Optional[Tuple[List[Tensor], ...]]:
+        """``(params, grads, halfs)`` of a group, masters first; None if one of them cannot
+        be fused (not FP32, a sparse gradient, or on another device than ``device``)."""
         mw = self.mw
-        ms: List[Tensor] = []
-        mgrads: List[Tensor] = []
+        masters: List[Tensor] = []
+        grads: List[Tensor] = []
         halfs: List[Tensor] = []
         own: List[Tensor] = []
-        ograds: List[Tensor] = []
+        own_grads: List[Tensor] = []
         for p in group["params"]:
             i = mw.index.get(id(p))
             if i is not None and mw.masters[i] is p:
-                g = mw.halfs[i].grad
-                if g is not None:
-                    ms.append(p)
-                    mgrads.append(g)
-                    halfs.append(mw.halfs[i])
-            elif p.grad is not None:
+                h = mw.halfs[i]
+                g = h.grad
+                if g is None:
+                    continue
+                masters.append(p)
+                grads.append(g)
+                halfs.append(h)
+            else:
+                g = p.grad
+                if g is None:
+                    continue
                 own.append(p)
-                ograds.append(p.grad)
-        params = ms + own
-        for p, g in zip(params, mgrads + ograds):
-            if p.dtype != f32 or g.is_sparse:
+                own_grads.append(g)
+            if p.dtype != f32 or g.is_sparse or (device is not None and p.device != device):
                 return None
-        return params, mgrads + ograds, halfs
+            device = p.device
+        return masters + own, grads + own_grads, halfs
 
-    @staticmethod
-    def _has_state(kind: str, group: Dict[str, Any], params: List[Tensor], opt: torch.optim.Optimizer) -> bool:
+    def _has_state(self, group: Dict[str, Any], params: List[Tensor]) -> bool:
         """Whether the optimizer state the update reads exists (the first plain step creates it)."""
-        if kind == "sgd":
+        state = self.mw.optimizer.state
+        if self.kind == "sgd":
             if group["momentum"] == 0:
                 return True
-            return all(opt.state.get(p, {}).get("momentum_buffer") is not None for p in params)
+            return all(state.get(p, {}).get("momentum_buffer") is not None for p in params)
         need = ("exp_avg", "exp_avg_sq", "step") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-        return all(all(k in opt.state.get(p, {}) for k in need) for p in params)
+        return all(all(k in state.get(p, {}) for k in need) for p in params)
 
-    def plan(self) -> Optional[List[Tuple[List[Tensor], ...]]]:
-        """Per param group ``(params, grads, halfs)`` for a fused step, or None when this
-        step must be the plain one. Changes nothing."""
+    def plan(self) -> Optional[Plan]:
+        """The work of a fused step, or None when this step must be the plain one.
+
+        Touches neither the model nor the optimizer; a changed hyperparameter
+        turns the fused update off for good.
+        """
         if self.off is not None or torch.compiler.is_compiling():
             return None
-        opt = self.mw.optimizer
-        keys = SUPPORTED[type(opt)]
-        baked = [tuple(g.get(k) for k in keys) for g in opt.param_groups]
-        if self.baked is not None and baked != self.baked:
-            self._stop(f"a hyperparameter other than lr changed ({', '.join(keys)})")
+        param_groups = self.mw.optimizer.param_groups
+        hyper = [tuple(g.get(k) for k in self.keys) for g in param_groups]
+        if self.baked is not None and hyper != self.baked:
+            self._stop(f"a hyperparameter other than lr changed ({', '.join(self.keys)})")
             return None
-        kind = "sgd" if type(opt) is torch.optim.SGD else "adam"
-        work = []
+        groups = []
         device = None
-        for group in opt.param_groups:
-            lists = self._lists(group, opt)
-            if lists is None or not self._has_state(kind, group, lists[0], opt):
+        for group in param_groups:
+            lists = self._lists(group, device)
+            if lists is None or not self._has_state(group, lists[0]):
                 return None
-            for p in lists[0]:
-                if device is None:
-                    device = p.device
-                elif p.device != device:  # one flag and one kernel per device: leave that to the plain step
-                    return None
-            work.append(lists)
-        if not any(params for params, _, _ in work):
+            if lists[0]:
+                device = lists[0][0].device
+            groups.append(lists)
+        if device is None:
             return None  # no gradient at all: nothing to fuse
-        return work
+        return Plan(groups, device, hyper)
 
-    def non_finite(self, work: List[Tuple[List[Tensor], ...]]) -> Optional[Tensor]:
-        """A 0-d FP32 flag, > 0 when a gradient of ``work`` holds inf or NaN (no host sync).
+    def non_finite(self, plan: Plan) -> Optional[Tensor]:
+        """A 0-d FP32 flag, > 0 when a gradient of ``plan`` holds inf or NaN (no host sync).
 
         None when the check cannot be compiled; the fused update is then off.
         """
-        grads = [g for _, gs, _ in work for g in gs]
         try:
-            return self._fn("check")(grads)
+            return self._fn("check")([g for _, grads, _ in plan.groups for g in grads])
         except Exception as e:
-            self._stop(f"torch.compile failed ({type(e).__name__}: {e})", warn=True)
+            self._failed(e)
             return None
 
-    def run(self, work: List[Tuple[List[Tensor], ...]], inv_scale: float) -> bool:
-        """The fused update of every param group, gradients multiplied by ``inv_scale``.
+    def run(self, plan: Plan, inv: Tensor) -> bool:
+        """The fused update of every param group, gradients multiplied by ``inv``
+        (1 / loss scale, a 0-d tensor on ``plan.device``).
 
         Returns False, with nothing changed, when the compile fails (the fused
         update is then off for the rest of the run).
         """
         opt = self.mw.optimizer
-        kind = "sgd" if type(opt) is torch.optim.SGD else "adam"
-        while len(self.lrs) < len(opt.param_groups):
-            self.lrs.append(torch.zeros((), dtype=f32))
+        if self.lr is None or self.lr.device != plan.device:
+            self.lr = torch.zeros((), dtype=f32, device=plan.device)
+        lr = self.lr
+        update = self._fn(self.kind)
         gi = 0
         try:
             with torch.no_grad():
-                for gi, (group, (params, grads, halfs)) in enumerate(zip(opt.param_groups, work)):
+                for gi, (group, (params, grads, halfs)) in enumerate(zip(opt.param_groups, plan.groups)):
                     if not params:
                         continue
-                    lr = self.lrs[gi]
-                    if lr.device != params[0].device:
-                        lr = self.lrs[gi] = lr.to(params[0].device)
                     lr.fill_(group["lr"])
-                    inv = self._inv(params[0].device, inv_scale)
-                    state = [opt.state.get(p) for p in params]
-                    if kind == "sgd":
+                    state = [opt.state.get(p) for p in params]  # .get: no empty entries (momentum-free SGD has none)
+                    if self.kind == "sgd":
                         m = group["momentum"]
                         bufs = [s["momentum_buffer"] for s in state] if m != 0 else []
-                        self._fn(kind)(params, grads, bufs, halfs, lr, inv, m, group["dampening"],
-                                       group["weight_decay"], group["nesterov"], group["maximize"])
+                        update(params, grads, bufs, halfs, lr, inv, m, group["dampening"],
+                               group["weight_decay"], group["nesterov"], group["maximize"])
                     else:
                         b1, b2 = group["betas"]
                         ams = group["amsgrad"]
-                        self._fn(kind)(params, grads, [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state],
-                                       [s["max_exp_avg_sq"] for s in state] if ams else [],
-                                       [s["step"] for s in state], halfs, lr, inv, b1, b2, group["eps"],
-                                       group["weight_decay"], ams, group["maximize"],
-                                       bool(group.get("decoupled_weight_decay", type(opt) is torch.optim.AdamW)))
+                        update(params, grads, [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state],
+                               [s["max_exp_avg_sq"] for s in state] if ams else [], [s["step"] for s in state],
+                               halfs, lr, inv, b1, b2, group["eps"], group["weight_decay"], ams, group["maximize"],
+                               bool(group.get("decoupled_weight_decay", self.decoupled)))
         except Exception as e:  # no compiler, or a compiler error: the plain step is always there
             if gi:  # groups before this one have stepped already: the plain step must not repeat them
                 raise
-            self._stop(f"torch.compile failed ({type(e).__name__}: {e})", warn=True)
+            self._failed(e)
             return False
-        self.baked = [tuple(g.get(k) for k in SUPPORTED[type(opt)]) for g in opt.param_groups]
+        self.baked = plan.hyper
         self.steps += 1
-        self.drop_grads(work)
+        self.drop_grads(plan)
         self.mw.release_grad_buffers()
         return True
 
     @staticmethod
-    def drop_grads(work: List[Tuple[List[Tensor], ...]]) -> None:
+    def drop_grads(plan: Plan) -> None:
         """Clear the gradients a step consumed (or skipped): the next backward starts a new sum.
 
         The model's half gradients and the FP32 parameters' own (still scaled
         under FP16, so they must not be added to).
         """
-        for params, _, halfs in work:
+        for params, _, halfs in plan.groups:
             for h in halfs:
                 h.grad = None
             for p in params[len(halfs):]:
                 p.grad = None
 
-    def _inv(self, device: torch.device, value: float) -> Tensor:
-        t = self.invs.get(device)
-        if t is None:
-            t = self.invs[device] = torch.ones((), dtype=f32, device=device)
-        if self.inv_values.get(device) != value:
-            t.fill_(value)
-            self.inv_values[device] = value
-        return t
+    def _failed(self, e: Exception) -> None:
+        self._stop(f"torch.compile failed ({type(e).__name__}: {e})", warn=True)
 
     def _stop(self, why: str, warn: bool = False) -> None:
         self.off = why

@@ -146,6 +146,8 @@ class MasterWeights:
 
     def release_grad_buffers(self) -> None:
         """Free the FP32 gradient buffers (the fused update reads the half gradients instead)."""
+        if self.grads.count(None) == len(self.grads):
+            return  # the common case after the first fused step: nothing to free
         for i, m in enumerate(self.masters):
             if m.grad is not None and m.grad is self.grads[i]:
                 m.grad = None

@@ -160,6 +160,20 @@ class Run:
         self.checked.add(loss_id)
         return _Unscale(self, loss_id, scaler.scale)
 
+    def found_flag(self, loss_id: int, device: torch.device) -> Tensor:
+        """This step's inf/NaN flag of loss ``loss_id`` on ``device`` (> 0: found), kept on the device."""
+        found = self.found.get((loss_id, device))
+        if found is None:
+            found = self.found[(loss_id, device)] = torch.zeros((), dtype=torch.float32, device=device)
+        return found
+
+    def inv_scale(self, loss_id: int, device: torch.device, scale: float) -> Tensor:
+        """``1 / scale`` as a 0-d FP32 tensor on ``device``, made once per scale."""
+        cached = self.inv.get((loss_id, device))
+        if cached is None or cached[0] != scale:
+            cached = self.inv[(loss_id, device)] = (scale, torch.full((), 1.0 / scale, dtype=torch.float32, device=device))
+        return cached[1]
+
 
 class _Unscale:
     def __init__(self, run: Run, loss_id: int, scale: float):
@@ -171,13 +185,7 @@ class _Unscale:
             by_device.setdefault(t.device, []).append(t)
         run, l = self.run, self.loss_id
         for dev, ts in by_device.items():
-            found = run.found.get((l, dev))
-            if found is None:
-                found = run.found[(l, dev)] = torch.zeros((), dtype=torch.float32, device=dev)
-            cached = run.inv.get((l, dev))
-            if cached is None or cached[0] != self.scale:
-                cached = run.inv[(l, dev)] = (self.scale, torch.full((), 1.0 / self.scale, dtype=torch.float32, device=dev))
-            torch._amp_foreach_non_finite_check_and_unscale_(ts, found, cached[1])
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, run.found_flag(l, dev), run.inv_scale(l, dev, self.scale))
 
 
 _runs: "weakref.WeakKeyDictionary[Any, Run]" = weakref.WeakKeyDictionary()
@@ -412,39 +420,35 @@ def _fused_step(run: Run, h: Handle) -> bool:
     mw = h.masters
     if l is None or h.fed or h.stash is not None or mw.carried:
         return False
-    work = h.fused.plan()
-    if work is None:
+    plan = h.fused.plan()
+    if plan is None:
         return False
     scaler = run.scalers[l]
-    inv = 1.0
+    # the scale this backward ran with (the verdict may change it); 1.0 when not scaled
+    inv = run.inv_scale(l, plan.device, scaler.scale if scaler.active else 1.0)
     if scaler.active:
-        inv = 1.0 / scaler.scale  # the scale this backward ran with; the verdict may change it
-        flag = h.fused.non_finite(work)
+        flag = h.fused.non_finite(plan)
         if flag is None:  # the check did not compile: the plain step checks instead
             return False
-        h.pending = None
-        key = (l, flag.device)
-        if key in run.found:
-            run.found[key].add_(flag)
-        else:
-            run.found[key] = flag
+        run.found_flag(l, plan.device).add_(flag)
         run.checked.add(l)
         h.fed.add(l)
+        h.pending = None
         run.dirty = True
         _verdict(run)
         if h.verdict:  # as the plain step: the verdict stands until the next backward
-            h.fused.drop_grads(work)
+            h.fused.drop_grads(plan)
             h.skipped += 1
             mw.carried = False
             h.unscaled = False
             return True
         h.verdict = None
     h.pending = None
-    if not h.fused.run(work, inv):  # the compile failed: the plain step, from the half gradients
+    if not h.fused.run(plan, inv):  # the compile failed: the plain step, from the half gradients
         mw.absorb(None)
         grads = [m.grad for m in mw.masters if m.grad is not None]
         grads += [p.grad for p in h.own_params() if p.grad is not None]
-        if inv != 1.0 and grads:
+        if scaler.active and grads:
             torch._foreach_mul_(grads, inv)
         h.originals["step"]()
         mw.refresh()

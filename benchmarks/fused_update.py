@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import torch
@@ -96,4 +95,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -124,8 +124,9 @@ def build(name: str, gpu: bool = False, scale: float = 1.0, nbatches: int = 4) -
     raise ValueError(f"unknown workload {name!r}; use simplenet, transformer, convnet or smallops")
 
 
-#: "O2-fused" is O2 with ``fused_update=True``
 MODES = ("fp32", "autocast", "O1", "O2", "O2-fused", "O3")
+#: the amp_patch modes: opt level and extra ``initialize`` options
+AMP_MODES = {"O1": ("O1", {}), "O2": ("O2", {}), "O2-fused": ("O2", {"fused_update": True}), "O3": ("O3", {})}
 
 
 class Runner:
@@ -143,9 +144,9 @@ class Runner:
         self.scaler: Optional[torch.amp.GradScaler] = None
         if mode == "autocast" and device == "cuda" and half == torch.float16:
             self.scaler = torch.amp.GradScaler("cuda")
-        if mode in ("O1", "O2", "O3", "O2-fused"):
+        if mode in AMP_MODES:
             # amp_patch's state is per process: the suite runs each mode in its own.
-            level, extra = (mode, {}) if mode != "O2-fused" else ("O2", {"fused_update": True})
+            level, extra = AMP_MODES[mode]
             self.model, self.opt = amp_patch.initialize(self.model, self.opt, level, half_dtype=half, verbosity=0, **extra)
 
     def step(self) -> torch.Tensor:

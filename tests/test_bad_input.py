@@ -307,11 +307,12 @@ def test_load_state_dict_of_garbage_says_what_it_wanted():
 # ---------------------------------------------------------------- op lists
 
 
-def _write(path, text=None, data=None):
-    if data is not None:
-        path.write_bytes(data)
+def _write(path, content):
+    """Write text or bytes to ``path``; return the path as a string."""
+    if isinstance(content, bytes):
+        path.write_bytes(content)
     else:
-        path.write_text(text)
+        path.write_text(content)
     return str(path)
 
 
@@ -320,30 +321,32 @@ BOMB = "".join(
     for p, c in zip([None, "a", "b", "c", "d", "e", "f", "g", "h"], "abcdefghi")
 )
 
+# Each row: id, the source (file content, written to l.yaml; a dict, given as
+# it is; or a callable that makes it in a temporary directory), the error pattern.
 LIST_ROWS = [
-    ("unknown-namespace", lambda d: _write(d / "l.yaml", "torch.nn.functionl:\n  half: [linear]\n"),
+    ("unknown-namespace", "torch.nn.functionl:\n  half: [linear]\n",
      r"l\.yaml:1: 'torch\.nn\.functionl' is not a known namespace; did you mean 'torch\.nn\.functional'\?"),
-    ("unknown-policy", lambda d: _write(d / "l.yaml", "torch.nn.functional:\n  halff: [linear]\n"),
+    ("unknown-policy", "torch.nn.functional:\n  halff: [linear]\n",
      r"l\.yaml:2: torch\.nn\.functional\.halff is not a policy; did you mean 'half'\?"),
-    ("unknown-op", lambda d: _write(d / "l.yaml", "torch.nn.functional:\n  float: [sofmax]\n"),
+    ("unknown-op", "torch.nn.functional:\n  float: [sofmax]\n",
      r"l\.yaml:2: torch\.nn\.functional\.float\[0\] 'sofmax' is not in torch\.nn\.functional; did you mean 'softmax'\?"),
-    ("op-under-two-policies", lambda d: _write(d / "l.yaml", "torch:\n  float: [mm]\n  half: [mm]\n"),
+    ("op-under-two-policies", "torch:\n  float: [mm]\n  half: [mm]\n",
      r"l\.yaml:3: torch\.half 'mm' is under two policies \('float' at .*l\.yaml:2\)"),
-    ("unknown-entry-key", lambda d: _write(d / "l.yaml", "torch:\n  float:\n    - {name: mm, wen: {dtype: float16}}\n"),
+    ("unknown-entry-key", "torch:\n  float:\n    - {name: mm, wen: {dtype: float16}}\n",
      r"l\.yaml:3: torch\.float\[0\] has unknown key 'wen'; did you mean 'when'\?"),
-    ("bad-when-value", lambda d: _write(d / "l.yaml", "torch:\n  float:\n    - {name: mm, when: {dtype: float8}}\n"),
+    ("bad-when-value", "torch:\n  float:\n    - {name: mm, when: {dtype: float8}}\n",
      r"'when\.dtype' of 'mm' is 'float8'; did you mean 'float16'\?"),
-    ("not-a-mapping", lambda d: _write(d / "l.yaml", "- torch\n- half\n"),
+    ("not-a-mapping", "- torch\n- half\n",
      r"l\.yaml:1: must be a mapping of namespaces"),
-    ("malformed-yaml", lambda d: _write(d / "l.yaml", "torch:\n  float: [mm\n"),
+    ("malformed-yaml", "torch:\n  float: [mm\n",
      r"l\.yaml:3: malformed YAML"),
-    ("huge-file", lambda d: _write(d / "l.yaml", "torch:\n  float: [mm]\n" + "# pad\n" * 200_000),
+    ("huge-file", "torch:\n  float: [mm]\n" + "# pad\n" * 200_000,
      r"l\.yaml: is \d+ bytes; an op list must be under 1048576 bytes"),
-    ("utf16-encoding", lambda d: _write(d / "l.yaml", data="torch:\n  float: [mm]\n".encode("utf-16")),
+    ("utf16-encoding", "torch:\n  float: [mm]\n".encode("utf-16"),
      r"l\.yaml: is not UTF-8 text \(byte 0\); save the file as UTF-8"),
-    ("latin1-encoding", lambda d: _write(d / "l.yaml", data="# café\ntorch:\n  float: [mm]\n".encode("latin-1")),
+    ("latin1-encoding", "# café\ntorch:\n  float: [mm]\n".encode("latin-1"),
      r"l\.yaml: is not UTF-8 text \(byte 5\)"),
-    ("yaml-bomb", lambda d: _write(d / "l.yaml", BOMB),
+    ("yaml-bomb", BOMB,
      r"l\.yaml:\d+: YAML anchors and aliases are not allowed in op lists"),
     ("python-tag", lambda d: _write(d / "l.yaml", f'torch:\n  float: !!python/object/apply:os.system ["touch {d}/pwned"]\n'),
      r"l\.yaml:2: YAML tag 'tag:yaml\.org,2002:python/object/apply:os\.system' is not allowed"),
@@ -353,15 +356,20 @@ LIST_ROWS = [
      r"l\.yaml: cannot be read"),
     ("missing-file", lambda d: str(d / "l.yaml"),
      r"l\.yaml: no such op-list file; check the path given to lists= or AMP_PATCH_LISTS"),
-    ("dict-with-unknown-op", lambda d: {"torch": {"half": ["not_an_op_xyz"]}},
+    ("dict-with-unknown-op", {"torch": {"half": ["not_an_op_xyz"]}},
      r"<lists dict>: torch\.half\[0\] 'not_an_op_xyz' is not in torch"),
 ]
 
 
-@pytest.mark.parametrize("make,pattern", [r[1:] for r in LIST_ROWS], ids=[r[0] for r in LIST_ROWS])
+@pytest.mark.parametrize("source,pattern", [r[1:] for r in LIST_ROWS], ids=[r[0] for r in LIST_ROWS])
 @pytest.mark.parametrize("via", ["argument", "environment"])
-def test_bad_op_lists_raise_before_anything_is_patched(tmp_path, monkeypatch, make, pattern, via):
-    src = make(tmp_path)
+def test_bad_op_lists_raise_before_anything_is_patched(tmp_path, monkeypatch, source, pattern, via):
+    if callable(source):
+        src = source(tmp_path)
+    elif isinstance(source, (str, bytes)):
+        src = _write(tmp_path / "l.yaml", source)
+    else:
+        src = source
     if via == "environment":
         if isinstance(src, dict):
             pytest.skip("a dict cannot be given through the environment")

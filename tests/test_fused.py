@@ -42,6 +42,22 @@ OPTIMIZERS = {
 }
 
 
+def train_step(model, opt, i, inf=False):
+    """One plain training step on batch ``i`` (its first input an inf when ``inf``); the loss."""
+    x, y = batch(i)
+    if inf:
+        x[0, 0] = float("inf")
+    opt.zero_grad()
+    loss = F.mse_loss(model(x).float(), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def fused_steps():
+    return amp_patch.counters()["optimizers"][0]["fused"]
+
+
 FP16 = dict(opt_level="O2", half_dtype=torch.float16, init_scale=2.0**12, growth_interval=2)
 
 
@@ -57,12 +73,7 @@ def run(name, steps, fused_update, sched=False, config=None, inf_at=None, histor
     with amp(model, opt, fused_update=fused_update, **config) as (model, opt):
         sch = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8) if sched else None
         for i in range(steps):
-            x, y = batch(i)
-            if i == inf_at:
-                x[0, 0] = float("inf")
-            opt.zero_grad()
-            F.mse_loss(model(x).float(), y).backward()
-            opt.step()
+            train_step(model, opt, i, inf=i == inf_at)
             if sch is not None:
                 sch.step()
             if history is not None:
@@ -121,19 +132,12 @@ def test_adamw_trains_and_the_fp32_gradient_buffers_are_freed():
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with amp(model, opt, "O5", fused_update=True) as (model, opt):
-        losses = []
-        for i in range(30):
-            x, y = batch(i % 2)
-            opt.zero_grad()
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = [train_step(model, opt, i % 2).item() for i in range(30)]
         mw = amp_patch._state.current().optimizer_handles[id(opt)].masters
         assert all(g is None for g in mw.grads)
         assert all(m.grad is None for m in mw.masters)
         assert all(p.grad is None for p in mw.halfs)  # consumed by the step
-        assert amp_patch.counters()["optimizers"][0]["fused"] == 29
+        assert fused_steps() == 29
     assert losses[-1] < 0.5 * losses[0]
 
 
@@ -153,29 +157,26 @@ def test_accumulation_and_clipping_take_the_plain_step():
 
         step(False, False)
         step(False, False)
-        assert amp_patch.counters()["optimizers"][0]["fused"] == 1
+        assert fused_steps() == 1
         step(True, False)  # two backwards: the sum is in the FP32 masters already
-        assert amp_patch.counters()["optimizers"][0]["fused"] == 1
+        assert fused_steps() == 1
         step(False, True)  # clipped master gradients must be the ones applied
-        assert amp_patch.counters()["optimizers"][0]["fused"] == 1
+        assert fused_steps() == 1
         assert amp_patch.counters()["steps"] == 4
         step(False, False)
-        assert amp_patch.counters()["optimizers"][0]["fused"] == 2
+        assert fused_steps() == 2
 
 
 def test_a_changed_momentum_stops_the_fused_update_for_good(caplog):
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     with amp(model, opt, "O5", fused_update=True) as (model, opt):
-        for i in range(4):
-            if i == 2:
-                opt.param_groups[0]["momentum"] = 0.5
-            x, y = batch(i)
-            opt.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            with caplog.at_level(logging.INFO, logger="amp_patch"):
-                opt.step()
-        assert amp_patch.counters()["optimizers"][0]["fused"] == 1
+        with caplog.at_level(logging.INFO, logger="amp_patch"):
+            for i in range(4):
+                if i == 2:
+                    opt.param_groups[0]["momentum"] = 0.5
+                train_step(model, opt, i)
+        assert fused_steps() == 1
         assert "a hyperparameter other than lr changed" in caplog.text
 
 
@@ -206,10 +207,7 @@ def test_deinitialize_after_fused_steps_gives_back_the_fp32_model():
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     with amp(model, opt, "O5", fused_update=True) as (m, o):
         for i in range(3):
-            x, y = batch(i)
-            o.zero_grad()
-            F.mse_loss(m(x), y).backward()
-            o.step()
+            train_step(m, o, i)
         masters = [p.detach().clone() for p in amp_patch.master_params(o)]
     assert all(p.dtype == f32 for p in model.parameters())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), masters))

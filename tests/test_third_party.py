@@ -67,6 +67,23 @@ def _check(losses, dtypes, ref, half, drop=0.85):
     assert abs(losses[-1] - ref[-1]) < 0.1 * ref[0], (losses, ref)
 
 
+def _trains_like_fp32(make_model, batch_loss, level, half, record, steps, lr=1e-2, drop=0.85):
+    """Train in FP32 and under ``level``; ``_check`` the second against the first."""
+    ref = _train(make_model, batch_loss, None, None, steps=steps, lr=lr)[0]
+    losses, dtypes = _train(make_model, batch_loss, level, half, steps=steps, lr=lr, record=record)
+    _check(losses, dtypes, ref, half, drop=drop)
+
+
+def _classification_loss(shape, classes, seed):
+    """A ``batch_loss``: cross-entropy of the model on one fixed random batch of ``shape``."""
+    def batch_loss(model):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(*shape, generator=g), torch.randint(0, classes, (shape[0],), generator=g)
+        return F.cross_entropy(model(x), y)
+
+    return batch_loss
+
+
 # ---------------------------------------------------------------- Hugging Face transformers
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e '.[test]'")
@@ -172,17 +189,12 @@ class _ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def _image_loss(model):
-    g = torch.Generator().manual_seed(2)
-    x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
-    return F.cross_entropy(model(x), y)
+_image_loss = _classification_loss((8, 3, 16, 16), classes=5, seed=2)
 
 
 @pytest.mark.parametrize("level,half", CASES, ids=IDS)
 def test_resnet_trains(level, half):
-    ref = _train(_ResNet, _image_loss, None, None, steps=8, lr=1e-2)[0]
-    losses, dtypes = _train(_ResNet, _image_loss, level, half, steps=8, lr=1e-2, record=(nn.Conv2d, nn.Linear))
-    _check(losses, dtypes, ref, half, drop=0.5)
+    _trains_like_fp32(_ResNet, _image_loss, level, half, record=(nn.Conv2d, nn.Linear), steps=8, drop=0.5)
 
 
 # ---------------------------------------------------------------- recurrent networks
@@ -199,19 +211,14 @@ class _Recurrent(nn.Module):
         return self.head(out[:, -1])
 
 
-def _sequence_loss(model):
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(8, 10, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
-    return F.cross_entropy(model(x), y)
+_sequence_loss = _classification_loss((8, 10, 12), classes=3, seed=3)
 
 
 @pytest.mark.parametrize("level,half", CASES, ids=IDS)
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_recurrent_networks_train(kind, level, half):
-    make = functools.partial(_Recurrent, kind)
-    ref = _train(make, _sequence_loss, None, None, steps=15, lr=1e-2)[0]
-    losses, dtypes = _train(make, _sequence_loss, level, half, steps=15, lr=1e-2, record=(nn.LSTM, nn.GRU, nn.Linear))
-    _check(losses, dtypes, ref, half)
+    _trains_like_fp32(functools.partial(_Recurrent, kind), _sequence_loss, level, half,
+                      record=(nn.LSTM, nn.GRU, nn.Linear), steps=15)
 
 
 # ---------------------------------------------------------------- attention
@@ -250,20 +257,14 @@ class _AttentionNet(nn.Module):
         return self.head(self.norm(h + a)).mean(1)
 
 
-def _attention_loss(model):
-    g = torch.Generator().manual_seed(4)
-    x, y = torch.randn(6, 12, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
-    return F.cross_entropy(model(x), y)
+_attention_loss = _classification_loss((6, 12, 8), classes=4, seed=4)
 
 
 @pytest.mark.parametrize("level,half", CASES, ids=IDS)
 @pytest.mark.parametrize("kind", ["mha", "sdpa"])
 def test_attention_trains(kind, level, half):
-    make = functools.partial(_AttentionNet, kind)
-    ref = _train(make, _attention_loss, None, None, steps=15, lr=1e-2)[0]
     record = (nn.MultiheadAttention, nn.Linear) if kind == "mha" else (_SDPA, nn.Linear)
-    losses, dtypes = _train(make, _attention_loss, level, half, steps=15, lr=1e-2, record=record)
-    _check(losses, dtypes, ref, half)
+    _trains_like_fp32(functools.partial(_AttentionNet, kind), _attention_loss, level, half, record=record, steps=15)
 
 
 # ---------------------------------------------------------------- a real dataset
