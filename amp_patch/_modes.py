@@ -28,6 +28,7 @@ import torch
 import wrapt
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
+from . import wrappers
 from .oplists import NAMESPACES
 
 Observer = Callable[[Any, tuple, dict, Any], None]
@@ -88,6 +89,7 @@ def add(observer: Observer) -> None:
     with _lock:
         if observer not in _observers:
             _observers = _observers + (observer,)
+        wrappers.divert["watch"] = True
     ensure_here()
 
 
@@ -97,6 +99,8 @@ def remove(observer: Observer) -> None:
     with _lock:
         _observers = tuple(o for o in _observers if o != observer)
         last = not _observers
+        if last:
+            wrappers.divert.pop("watch", None)
     mode = getattr(_local, "mode", None)
     if last and mode is not None:
         _local.mode = None

@@ -20,6 +20,8 @@ Policies:
 """
 from __future__ import annotations
 
+import logging
+import os
 from threading import get_ident
 from types import MethodType
 from typing import Any, Callable, Optional
@@ -27,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 import wrapt
 
-from ._cast import CASTABLE, LOW, CastCache, cast, cast_args, needs_cast
+from ._cast import CASTABLE, CONVERT, LOW, CastCache, cast, cast_args, needs_cast
 from .errors import BannedOpError, CastError
 
 f32 = torch.float32
@@ -61,6 +63,11 @@ class _Switch:
 
 
 switch = _Switch()
+
+# Non-empty while every patched call must run the Python wrappers, never the C
+# fast path: overflow provenance finds the op being cast from their frames
+# (``_modes`` fills it while the watching mode has observers).
+divert: dict = {}
 
 
 class Live:
@@ -247,10 +254,19 @@ def make_wrapper(
         fn = _instrumented(qualname, policy, plan, cache, ledger, live)
     else:
         general = _general(plan, cache, live)
-        if policy in ("half", "float"):
-            fn = _fixed(original, f32 if policy == "float" else half, general, cache, live)
-        else:
+        promote = policy not in ("half", "float")
+        to = f32 if policy != "half" else half
+        if promote:
             fn = _promote(original, general, cache, live)
+        else:
+            fn = _fixed(original, to, general, cache, live)
+        if fast is not None:
+            # The same decisions with the common call's check in C (_fastpath.c);
+            # any other call still reaches ``fn`` through wrapt.
+            kind = fast.FastMethodWrapper if method else fast.FastOpWrapper
+            castable = tuple(CASTABLE if promote else CASTABLE - {to})
+            cache_cast = cache.cast if cache is not None and to is not f32 else None
+            return kind(original, fn, castable, to, CONVERT[to], cache_cast, live, promote)
     return kind(original, fn)
 
 
@@ -409,3 +425,22 @@ class _DecoratorPolicy:
             return wrapped(*cast(args, to, amp.cache), **cast(kwargs, to, amp.cache))
 
         return wrapper(fn)
+
+
+# The C fast path (built from _fastpath.c when a compiler was there at install;
+# AMP_PATCH_PURE_PYTHON=1 turns it off, to compare or to debug). Imported last:
+# it reads ``disabled`` and ``divert`` from this module.
+FAST_UNAVAILABLE = ""
+if os.environ.get("AMP_PATCH_PURE_PYTHON", "") not in ("", "0"):
+    fast = None
+    FAST_UNAVAILABLE = "AMP_PATCH_PURE_PYTHON is set"
+else:
+    try:
+        from . import _fastpath as fast
+    except ImportError as exc:  # no compiler at install, or wrapt without its C extension
+        fast = None
+        FAST_UNAVAILABLE = str(exc)
+if fast is None:
+    logging.getLogger("amp_patch").debug(
+        "amp_patch: patched ops run the pure-Python wrappers (about 1 µs more per call): %s", FAST_UNAVAILABLE
+    )

@@ -51,6 +51,20 @@ def clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(params=["c", "python"])
+def wrapper_path(request, monkeypatch):
+    """Which wrapper types ``initialize`` builds: the C fast path's or the
+    pure-Python ones (what runs where no compiler was there at install)."""
+    from amp_patch import wrappers
+
+    if request.param == "c":
+        if wrappers.fast is None:
+            pytest.fail(f"the C fast path is not built: {wrappers.FAST_UNAVAILABLE}")
+    else:
+        monkeypatch.setattr(wrappers, "fast", None)
+    return request.param
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 

@@ -421,7 +421,7 @@ def test_ops_without_an_entry_for_the_dtype_are_left_unpatched(dname, o1):
 
 
 @pytest.mark.parametrize("form,dname", GENERATED, ids=[f"{short(f)}-{d}" for f, d in GENERATED])
-def test_patched_op_matches_original_on_hand_cast_inputs(form, dname, o1):
+def test_patched_op_matches_original_on_hand_cast_inputs(form, dname, wrapper_path, o1):
     require_sample(form)
     if not exists(form):
         pytest.skip(f"{form} is an optional op that torch {torch.__version__} does not have")

@@ -1,0 +1,427 @@
+/* The no-cast check of a patched op, in C.
+
+   amp_patch's wrappers are wrapt FunctionWrappers whose wrapper function has
+   wrapt's signature (wrapped, instance, args, kwargs) and does all the work
+   in Python. On a call that needs no cast that costs a C-to-Python call, an
+   args tuple, an empty kwargs dict and a Python frame: 1-2 us on this kind of
+   machine, more than the op itself on small tensors.
+
+   This module defines two subclasses of wrapt.FunctionWrapper, one for torch
+   functions and one for torch.Tensor methods. Their call (vectorcall: no
+   tuple, no dict) does the common case itself:
+
+     * positional arguments only, no thread inside disable_casts(), no
+       diagnostics watching every call, the session live, and no
+       list/tuple/dict argument;
+     * no tensor argument in a dtype that must be cast -> the original op;
+     * some tensor argument to cast -> each such tensor converted (a weight
+       through the Python weight-cast cache), then the original op.
+
+   Every other call goes to wrapt's own call and so to the Python wrapper
+   (wrappers.py), which decides exactly as before. The layout of wrapt's
+   object is not assumed: the extra fields sit after the base type's
+   tp_basicsize, read at type creation.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stddef.h>
+
+typedef struct {
+    vectorcallfunc vectorcall; /* this object's call, see fast_call */
+    PyObject *original;        /* the unwrapped op (unbound for Tensor methods) */
+    PyObject *castable;        /* tuple of the dtypes that trigger a cast */
+    PyObject *to;              /* the dtype cast to */
+    PyObject *convert;         /* TensorBase.bfloat16 / .half / .float */
+    PyObject *cache_cast;      /* CastCache.cast, or None: no cache */
+    PyObject *live;            /* the session's Live flag object (.on) */
+    int promote;               /* 1: cast only on a mix of castable dtypes */
+} Fast;
+
+static Py_ssize_t fast_offset;      /* where Fast starts inside the object */
+static PyTypeObject *wrapt_type;    /* wrapt.FunctionWrapper: call, GC, dealloc */
+static initproc base_init;          /* wrapt._FunctionWrapperBase's, takes the binding */
+static PyTypeObject *tensor_type;   /* torch.Tensor */
+static PyObject *disabled;          /* wrappers.disabled: {thread: depth} */
+static PyObject *divert;            /* wrappers.divert: non-empty = Python only */
+static PyObject *str_dtype, *str_on, *str_requires_grad, *str_staticmethod;
+
+/* a vectorcall type must not let Python code reassign its __call__ */
+#ifdef Py_TPFLAGS_IMMUTABLETYPE
+#define IMMUTABLE Py_TPFLAGS_IMMUTABLETYPE
+#else
+#define IMMUTABLE 0
+#endif
+
+#define FAST(o) ((Fast *)((char *)(o) + fast_offset))
+
+static int
+in_tuple(PyObject *tuple, PyObject *item)
+{
+    /* dtypes are singletons, so identity is equality */
+    Py_ssize_t i, n = PyTuple_GET_SIZE(tuple);
+    for (i = 0; i < n; i++)
+        if (PyTuple_GET_ITEM(tuple, i) == item)
+            return 1;
+    return 0;
+}
+
+/* 0: call the original; 1: cast; 2: leave it to the Python wrapper; -1: error.
+   The scan always runs to the end: a container argument anywhere means 2,
+   since only the Python wrapper casts inside containers. */
+static int
+plan(Fast *f, PyObject *const *args, Py_ssize_t n)
+{
+    PyObject *seen = NULL;
+    Py_ssize_t i;
+    int cast = 0;
+    for (i = 0; i < n; i++) {
+        PyObject *a = args[i];
+        if (PyObject_TypeCheck(a, tensor_type)) {
+            PyObject *dt;
+            if (cast)
+                continue;
+            dt = PyObject_GetAttr(a, str_dtype);
+            if (dt == NULL)
+                return -1;
+            /* torch keeps every dtype object alive; only its identity is used */
+            Py_DECREF(dt);
+            if (!in_tuple(f->castable, dt))
+                continue;
+            if (!f->promote || (seen != NULL && dt != seen))
+                cast = 1;
+            seen = dt;
+        }
+        else if (PyList_Check(a) || PyTuple_Check(a) || PyDict_Check(a)) {
+            return 2;
+        }
+    }
+    return cast;
+}
+
+/* One castable tensor converted as wrappers.cast_args converts it: a tensor
+   that requires grad may be a weight, served by the cache; a new reference. */
+static PyObject *
+cast_one(Fast *f, PyObject *a)
+{
+    if (f->cache_cast != Py_None) {
+        PyObject *rg = PyObject_GetAttr(a, str_requires_grad);
+        int grad;
+        if (rg == NULL)
+            return NULL;
+        grad = PyObject_IsTrue(rg);
+        Py_DECREF(rg);
+        if (grad < 0)
+            return NULL;
+        if (grad) {
+            PyObject *cache_args[2] = {a, f->to};
+            return PyObject_Vectorcall(f->cache_cast, cache_args, 2, NULL);
+        }
+    }
+    return PyObject_Vectorcall(f->convert, &a, 1, NULL);
+}
+
+/* The original op on the arguments with every castable tensor converted to
+   f->to (plan() returned 1, so the arguments are flat and positional). */
+static PyObject *
+cast_and_call(Fast *f, PyObject *const *args, Py_ssize_t n)
+{
+    PyObject *small[8], **out = small, *result = NULL;
+    Py_ssize_t i, done = 0;
+
+    if (n > 8) {
+        out = PyMem_New(PyObject *, n);
+        if (out == NULL)
+            return PyErr_NoMemory();
+    }
+    for (; done < n; done++) {
+        PyObject *a = args[done];
+        out[done] = NULL;
+        if (PyObject_TypeCheck(a, tensor_type)) {
+            PyObject *dt = PyObject_GetAttr(a, str_dtype);
+            if (dt == NULL)
+                goto finally;
+            Py_DECREF(dt);
+            if (dt != f->to && in_tuple(f->castable, dt)) {
+                out[done] = cast_one(f, a);
+                if (out[done] == NULL)
+                    goto finally;
+                continue;
+            }
+        }
+        Py_INCREF(a);
+        out[done] = a;
+    }
+    result = PyObject_Vectorcall(f->original, out, n, NULL);
+finally:
+    for (i = 0; i < done; i++)
+        Py_XDECREF(out[i]);
+    if (out != small)
+        PyMem_Free(out);
+    return result;
+}
+
+/* wrapt's call with a tuple and a dict, which reaches the Python wrapper */
+static PyObject *
+general(PyObject *self, PyObject *const *args, Py_ssize_t n, PyObject *kwnames)
+{
+    PyObject *tuple, *kwargs = NULL, *result;
+    Py_ssize_t i, nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+
+    tuple = PyTuple_New(n);
+    if (tuple == NULL)
+        return NULL;
+    for (i = 0; i < n; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(tuple, i, args[i]);
+    }
+    if (nk) {
+        kwargs = PyDict_New();
+        if (kwargs == NULL) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+        for (i = 0; i < nk; i++) {
+            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0) {
+                Py_DECREF(tuple);
+                Py_DECREF(kwargs);
+                return NULL;
+            }
+        }
+    }
+    result = wrapt_type->tp_call(self, tuple, kwargs);
+    Py_DECREF(tuple);
+    Py_XDECREF(kwargs);
+    return result;
+}
+
+static PyObject *
+fast_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Fast *f = FAST(self);
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    int on, r;
+
+    if ((kwnames && PyTuple_GET_SIZE(kwnames)) || PyDict_GET_SIZE(disabled) || PyDict_GET_SIZE(divert) ||
+        f->original == NULL)
+        return general(self, args, n, kwnames);
+    {
+        PyObject *live = PyObject_GetAttr(f->live, str_on);
+        if (live == NULL)
+            return NULL;
+        on = PyObject_IsTrue(live);
+        Py_DECREF(live);
+    }
+    if (on < 0)
+        return NULL;
+    if (!on)
+        return general(self, args, n, kwnames);
+    r = plan(f, args, n);
+    if (r == 0)
+        return PyObject_Vectorcall(f->original, args, nargsf, NULL);
+    if (r == 1)
+        return cast_and_call(f, args, n);
+    if (r < 0)
+        return NULL;
+    return general(self, args, n, kwnames);
+}
+
+/* (wrapped, wrapper, castable, to, convert, cache_cast, live, promote): the wrapt wrapper
+   is set up as wrappers.OpWrapper sets it up, with the "staticmethod"
+   binding. */
+static int
+fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    PyObject *wrapped, *wrapper, *castable, *to, *convert, *cache_cast, *live, *base_args;
+    int promote, r;
+    Fast *f = FAST(self);
+
+    if (kwargs && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "takes positional arguments only");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OOO!OOOOp", &wrapped, &wrapper, &PyTuple_Type, &castable, &to,
+                          &convert, &cache_cast, &live, &promote))
+        return -1;
+    base_args = PyTuple_Pack(5, wrapped, Py_None, wrapper, Py_None, str_staticmethod);
+    if (base_args == NULL)
+        return -1;
+    r = base_init(self, base_args, NULL);
+    Py_DECREF(base_args);
+    if (r < 0)
+        return -1;
+    Py_INCREF(wrapped);
+    Py_XSETREF(f->original, wrapped);
+    Py_INCREF(castable);
+    Py_XSETREF(f->castable, castable);
+    Py_INCREF(to);
+    Py_XSETREF(f->to, to);
+    Py_INCREF(convert);
+    Py_XSETREF(f->convert, convert);
+    Py_INCREF(cache_cast);
+    Py_XSETREF(f->cache_cast, cache_cast);
+    Py_INCREF(live);
+    Py_XSETREF(f->live, live);
+    f->promote = promote;
+    f->vectorcall = fast_call;
+    return 0;
+}
+
+static int
+fast_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    Fast *f = FAST(self);
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(f->original);
+    Py_VISIT(f->castable);
+    Py_VISIT(f->to);
+    Py_VISIT(f->convert);
+    Py_VISIT(f->cache_cast);
+    Py_VISIT(f->live);
+    return wrapt_type->tp_traverse(self, visit, arg);
+}
+
+static int
+fast_clear(PyObject *self)
+{
+    Fast *f = FAST(self);
+    Py_CLEAR(f->original);
+    Py_CLEAR(f->castable);
+    Py_CLEAR(f->to);
+    Py_CLEAR(f->convert);
+    Py_CLEAR(f->cache_cast);
+    Py_CLEAR(f->live);
+    return wrapt_type->tp_clear(self);
+}
+
+static void
+fast_dealloc(PyObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    fast_clear(self);
+    /* wrapt's dealloc frees the object; a heap type also owns a reference
+       to its type, which wrapt's static types do not release */
+    wrapt_type->tp_dealloc(self);
+    Py_DECREF(type);
+}
+
+/* A Tensor method binds as a Python function does: x.add is a bound method
+   of the wrapper, called with the receiver as args[0]. */
+static PyObject *
+method_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *
+make_type(const char *name, PyObject *base, int method)
+{
+    PyMemberDef members[] = {
+        {"__vectorcalloffset__", T_PYSSIZET, 0, READONLY, NULL},
+        {NULL, 0, 0, 0, NULL},
+    };
+    PyType_Slot slots[] = {
+        {Py_tp_init, fast_init},
+        {Py_tp_call, PyVectorcall_Call},
+        {Py_tp_traverse, fast_traverse},
+        {Py_tp_clear, fast_clear},
+        {Py_tp_dealloc, fast_dealloc},
+        {Py_tp_members, members},
+        {method ? Py_tp_descr_get : 0, method ? (void *)method_get : NULL},
+        {0, NULL},
+    };
+    PyType_Spec spec = {
+        name,
+        (int)(fast_offset + sizeof(Fast)),
+        0,
+        Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | IMMUTABLE |
+            (method ? Py_TPFLAGS_METHOD_DESCRIPTOR : 0),
+        slots,
+    };
+    PyObject *bases, *type;
+
+    members[0].offset = fast_offset + offsetof(Fast, vectorcall);
+    bases = PyTuple_Pack(1, base);
+    if (bases == NULL)
+        return NULL;
+    type = PyType_FromSpecWithBases(&spec, bases);
+    Py_DECREF(bases);
+    return type;
+}
+
+static struct PyModuleDef fastpath_module = {
+    PyModuleDef_HEAD_INIT, "amp_patch._fastpath",
+    "The no-cast check of a patched op, in C (see wrappers.py).", -1, NULL,
+};
+
+static PyObject *
+import_attr(const char *module, const char *attr)
+{
+    PyObject *m = PyImport_ImportModule(module), *a;
+    if (m == NULL)
+        return NULL;
+    a = PyObject_GetAttrString(m, attr);
+    Py_DECREF(m);
+    return a;
+}
+
+PyMODINIT_FUNC
+PyInit__fastpath(void)
+{
+    PyObject *m, *function_wrapper, *function_type = NULL, *method_type = NULL;
+
+    str_dtype = PyUnicode_InternFromString("dtype");
+    str_on = PyUnicode_InternFromString("on");
+    str_requires_grad = PyUnicode_InternFromString("requires_grad");
+    str_staticmethod = PyUnicode_InternFromString("staticmethod");
+    if (!str_dtype || !str_on || !str_requires_grad || !str_staticmethod)
+        return NULL;
+    tensor_type = (PyTypeObject *)import_attr("torch", "Tensor");
+    disabled = import_attr("amp_patch.wrappers", "disabled");
+    divert = import_attr("amp_patch.wrappers", "divert");
+    function_wrapper = import_attr("wrapt", "FunctionWrapper");
+    if (!tensor_type || !disabled || !divert || !function_wrapper)
+        goto fail;
+    if (!PyType_Check(tensor_type) || !PyDict_CheckExact(disabled) || !PyDict_CheckExact(divert) || !PyType_Check(function_wrapper)) {
+        PyErr_SetString(PyExc_ImportError, "unexpected torch.Tensor, wrapt or amp_patch.wrappers");
+        goto fail;
+    }
+    /* with wrapt's pure-Python fallback there is no C object to extend */
+    wrapt_type = (PyTypeObject *)function_wrapper;
+    if (wrapt_type->tp_flags & Py_TPFLAGS_HEAPTYPE || !(wrapt_type->tp_flags & Py_TPFLAGS_HAVE_GC) ||
+        wrapt_type->tp_base == NULL || !wrapt_type->tp_call || !wrapt_type->tp_base->tp_init) {
+        PyErr_SetString(PyExc_ImportError, "wrapt's C extension is not in use");
+        goto fail;
+    }
+    base_init = wrapt_type->tp_base->tp_init;
+    fast_offset = wrapt_type->tp_basicsize;
+    function_type = make_type("amp_patch._fastpath.FastOpWrapper", function_wrapper, 0);
+    method_type = make_type("amp_patch._fastpath.FastMethodWrapper", function_wrapper, 1);
+    if (!function_type || !method_type)
+        goto fail;
+    m = PyModule_Create(&fastpath_module);
+    if (m == NULL)
+        goto fail;
+    if (PyModule_AddObject(m, "FastOpWrapper", function_type) < 0) {
+        Py_DECREF(m);
+        goto fail;
+    }
+    function_type = NULL;
+    if (PyModule_AddObject(m, "FastMethodWrapper", method_type) < 0) {
+        Py_DECREF(m);
+        goto fail;
+    }
+    Py_DECREF(function_wrapper);
+    return m;
+
+fail:
+    Py_XDECREF(function_type);
+    Py_XDECREF(method_type);
+    Py_XDECREF(function_wrapper);
+    return NULL;
+}

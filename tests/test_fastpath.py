@@ -1,0 +1,267 @@
+"""The C fast path (``amp_patch/_fastpath.c``) decides exactly as the Python wrappers.
+
+Each case runs twice, once with the C wrapper types and once with the pure-Python
+ones (``wrappers.fast`` set to None, as when no compiler was there at install), and
+both must give the original op's result on hand-cast inputs, bit for bit, and the
+same errors. The generated op tests (test_ops_generated.py) run every listed op
+on both paths too.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+import wrapt
+
+import amp_patch
+from amp_patch import _state, wrappers
+
+bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+
+
+def _compiler() -> bool:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(cc) is not None
+
+
+@pytest.fixture
+def o4(wrapper_path):
+    """O4 (BF16) with the wrapper types of ``wrapper_path``; yields "c" or "python"."""
+    amp_patch.initialize(None, None, "O4", verbosity=0)
+    try:
+        yield wrapper_path
+    finally:
+        amp_patch.deinitialize()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_the_c_fast_path_is_built_where_a_compiler_is():
+    if not _compiler():
+        pytest.skip("no C compiler on this machine: amp_patch runs its pure-Python wrappers")
+    assert wrappers.fast is not None, (
+        f"a C compiler is here but amp_patch._fastpath is not importable ({wrappers.FAST_UNAVAILABLE}); "
+        f"reinstall with `pip install -e .` to build it"
+    )
+
+
+def test_c_wrappers_are_wrapt_function_wrappers(o4):
+    mm, add = torch.mm, vars(torch.Tensor)["__add__"]
+    fast = o4 == "c"
+    assert (type(mm).__module__ == "amp_patch._fastpath") is fast
+    assert (type(add).__name__ == "FastMethodWrapper") is fast
+    for w in (mm, add, F.linear):
+        assert isinstance(w, wrapt.FunctionWrapper)
+    amp_patch.deinitialize()
+    assert mm.__wrapped__ is torch.mm and add.__wrapped__ is torch._C.TensorBase.__add__
+    assert mm.__name__ == "mm" and add.__name__ == "__add__"
+
+
+# (description, call, the same call on hand-cast inputs with torch unpatched);
+# the inputs are made once, unpatched, by make().
+def make():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s, dtype=f32: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    return dict(
+        x=r(4, 4), y=r(4, 4), xb=r(4, 4, dtype=bf16), yb=r(4, 4, dtype=bf16), xh=r(4, 4, dtype=f16),
+        xd=r(4, 4, dtype=f64), b=r(4), i=torch.arange(16).reshape(4, 4), odd=r(3, 5),
+    )
+
+
+CASES = [
+    ("half op, FP32 inputs", lambda t: torch.mm(t["x"], t["y"]), lambda t: torch.mm(t["x"].to(bf16), t["y"].to(bf16))),
+    ("half op, half inputs", lambda t: torch.mm(t["xb"], t["yb"]), lambda t: torch.mm(t["xb"], t["yb"])),
+    ("half op, mixed", lambda t: torch.mm(t["xb"], t["y"]), lambda t: torch.mm(t["xb"], t["y"].to(bf16))),
+    ("half op, FP16 input", lambda t: torch.mm(t["xh"], t["yb"]), lambda t: torch.mm(t["xh"].to(bf16), t["yb"])),
+    ("half op, float64 left alone", lambda t: torch.mm(t["xd"], t["xd"]), lambda t: torch.mm(t["xd"], t["xd"])),
+    ("three arguments", lambda t: F.linear(t["x"], t["y"], t["b"]),
+     lambda t: F.linear(t["x"].to(bf16), t["y"].to(bf16), t["b"].to(bf16))),
+    ("keyword argument", lambda t: F.linear(t["x"], t["y"], bias=t["b"]),
+     lambda t: F.linear(t["x"].to(bf16), t["y"].to(bf16), t["b"].to(bf16))),
+    ("method", lambda t: t["x"].mm(t["y"]), lambda t: t["x"].to(bf16).mm(t["y"].to(bf16))),
+    ("method through the class", lambda t: torch.Tensor.mm(t["x"], t["y"]),
+     lambda t: torch.Tensor.mm(t["x"].to(bf16), t["y"].to(bf16))),
+    ("bound method kept", lambda t: (lambda m: m(t["y"]))(t["x"].mm), lambda t: t["x"].to(bf16).mm(t["y"].to(bf16))),
+    ("operator", lambda t: t["x"] @ t["y"], lambda t: t["x"].to(bf16) @ t["y"].to(bf16)),
+    ("promote, mixed", lambda t: t["xb"] + t["y"], lambda t: t["xb"].float() + t["y"]),
+    ("promote, one dtype", lambda t: t["xb"] + t["yb"], lambda t: t["xb"] + t["yb"]),
+    ("promote, FP16 with BF16", lambda t: torch.add(t["xh"], t["xb"]), lambda t: torch.add(t["xh"].float(), t["xb"].float())),
+    ("promote, scalar", lambda t: t["xb"] + 1.5, lambda t: t["xb"] + 1.5),
+    ("promote, integer tensor", lambda t: t["xb"] * t["i"], lambda t: t["xb"] * t["i"]),
+    ("sequence promote, list", lambda t: torch.cat([t["xb"], t["y"]]), lambda t: torch.cat([t["xb"].float(), t["y"]])),
+    ("float op", lambda t: F.mse_loss(t["xb"], t["yb"]), lambda t: F.mse_loss(t["xb"].float(), t["yb"].float())),
+    ("float op, keyword", lambda t: F.mse_loss(t["xb"], target=t["yb"]),
+     lambda t: F.mse_loss(t["xb"].float(), target=t["yb"].float())),
+]
+
+
+@pytest.mark.parametrize("desc,call,reference", CASES, ids=[c[0] for c in CASES])
+def test_result_equals_the_original_on_hand_cast_inputs(o4, desc, call, reference):
+    amp_patch.deinitialize()
+    want = reference(make())
+    amp_patch.initialize(None, None, "O4", verbosity=0)
+    got = call(make())
+    assert same(got, want), f"{desc} ({o4}): {got.dtype} {got} != {want.dtype} {want}"
+
+
+ERRORS = [
+    ("shape mismatch, no cast", lambda t: torch.mm(t["xb"], t["odd"].to(bf16)), lambda t: torch.mm(t["xb"], t["odd"].to(bf16))),
+    ("shape mismatch, cast", lambda t: torch.mm(t["x"], t["odd"]), lambda t: torch.mm(t["x"].to(bf16), t["odd"].to(bf16))),
+    ("wrong argument type", lambda t: torch.mm(t["x"], 3), lambda t: torch.mm(t["x"].to(bf16), 3)),
+    ("too many arguments", lambda t: torch.mm(t["x"], t["y"], t["y"]),
+     lambda t: torch.mm(t["x"].to(bf16), t["y"].to(bf16), t["y"].to(bf16))),
+]
+
+
+@pytest.mark.parametrize("desc,call,reference", ERRORS, ids=[c[0] for c in ERRORS])
+def test_errors_are_the_original_ops_errors(o4, desc, call, reference):
+    amp_patch.deinitialize()
+    with pytest.raises(Exception) as want:
+        reference(make())
+    amp_patch.initialize(None, None, "O4", verbosity=0)
+    with pytest.raises(type(want.value)) as got:
+        call(make())
+    assert str(got.value).splitlines()[0] == str(want.value).splitlines()[0]
+
+
+def test_disable_casts_and_a_finished_session_call_straight_through(o4):
+    t = make()
+    with amp_patch.disable_casts():
+        assert torch.mm(t["x"], t["y"]).dtype == f32
+        assert (t["xb"] + t["y"]).dtype == f32  # torch's own promotion
+    assert torch.mm(t["x"], t["y"]).dtype == bf16
+    kept, kept_add = torch.mm, vars(torch.Tensor)["__add__"]
+    amp_patch.deinitialize()
+    assert same(kept(t["x"], t["y"]), torch.mm(t["x"], t["y"]))
+    assert same(kept_add(t["x"], t["y"]), t["x"] + t["y"])
+
+
+def test_another_thread_inside_disable_casts_leaves_this_one_casting(o4):
+    import threading
+
+    t, inside, release = make(), threading.Event(), threading.Event()
+
+    def hold():
+        with amp_patch.disable_casts():
+            inside.set()
+            release.wait(10)
+
+    th = threading.Thread(target=hold)
+    th.start()
+    try:
+        assert inside.wait(10)
+        assert torch.mm(t["x"], t["y"]).dtype == bf16
+    finally:
+        release.set()
+        th.join()
+
+
+def test_weights_are_cast_once_through_the_cache(o4):
+    t = make()
+    w = torch.nn.Parameter(t["y"])
+    cache = _state.current().cache
+    hits, misses = cache.hits, cache.misses
+    outs = [torch.mm(t["x"], w) for _ in range(3)]
+    assert (cache.misses - misses, cache.hits - hits) == (1, 2)
+    assert all(o.dtype == bf16 and o.requires_grad for o in outs)
+    with torch.no_grad():
+        w.mul_(2)  # bumps the version: the next use casts again
+    out = torch.mm(t["x"], w)
+    assert cache.misses - misses == 2
+    amp_patch.deinitialize()
+    assert same(out.detach(), torch.mm(t["x"].to(bf16), w.detach().to(bf16)))
+
+
+def test_gradients_flow_to_the_fp32_weight(o4):
+    t = make()
+    w = torch.nn.Parameter(t["y"].clone())
+    torch.mm(t["x"], w).float().sum().backward()
+    assert w.grad is not None and w.grad.dtype == f32
+    amp_patch.deinitialize()
+    w2 = torch.nn.Parameter(t["y"].clone())
+    torch.mm(t["x"].to(bf16), w2.to(bf16)).float().sum().backward()
+    assert same(w.grad, w2.grad)
+
+
+def test_many_arguments_and_a_user_class_method(wrapper_path):
+    class Ext:
+        def combine(self, *ts):
+            return sum(ts[1:], ts[0])
+
+    def combine(*ts):
+        return sum(ts[1:], ts[0])
+
+    mod = type(sys)("user_ext")
+    mod.combine = combine
+    amp_patch.register_half_function(mod, "combine")
+    amp_patch.register_half_function(Ext, "combine")
+    try:
+        amp_patch.initialize(None, None, "O4", verbosity=0)
+        ts = [torch.full((2,), float(i)) for i in range(11)]  # more than the C path's 8 on the stack
+        for out in (mod.combine(*ts), Ext().combine(*ts)):
+            assert out.dtype == bf16 and out.tolist() == [55.0, 55.0]
+    finally:
+        amp_patch.deinitialize()
+        from amp_patch import frontend
+
+        frontend._user_registrations.clear()
+
+
+def test_find_overflow_diverts_every_call_to_the_python_wrappers(o4):
+    t = make()
+    assert not wrappers.divert
+    amp_patch.find_overflow()
+    try:
+        assert wrappers.divert
+        assert torch.mm(t["x"], t["y"]).dtype == bf16
+    finally:
+        from amp_patch import diagnostics
+
+        diagnostics._watch.disarm()
+    assert not wrappers.divert
+
+
+def test_no_reference_is_leaked_per_call(o4):
+    t = make()
+    w = torch.nn.Parameter(t["y"])
+    calls = [lambda: torch.mm(t["x"], w), lambda: torch.mm(t["xb"], t["yb"]), lambda: t["xb"] + t["y"],
+             lambda: t["x"].mm(t["y"])]
+    for call in calls:
+        call()
+    before = [sys.getrefcount(o) for o in (t["x"], t["y"], t["xb"], t["yb"], w, bf16, f32)]
+    for _ in range(1000):
+        for call in calls:
+            call()
+    after = [sys.getrefcount(o) for o in (t["x"], t["y"], t["xb"], t["yb"], w, bf16, f32)]
+    assert after == before
+
+
+def test_wrappers_are_freed_after_deinitialize(o4):
+    ref = weakref.ref(torch.mm)
+    amp_patch.deinitialize()
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.slow
+def test_pure_python_environment_variable():
+    code = (
+        "import torch, amp_patch\n"
+        "from amp_patch import wrappers\n"
+        "amp_patch.initialize(None, None, 'O4', verbosity=0)\n"
+        "print(wrappers.fast is None, type(torch.mm).__name__, torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype)\n"
+    )
+    env = dict(os.environ, AMP_PATCH_PURE_PYTHON="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "OpWrapper", "torch.bfloat16"]
