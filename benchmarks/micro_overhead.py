@@ -3,9 +3,9 @@
 For F.linear, torch.mm, F.mse_loss (a Python function, FP32 policy) and
 Tensor.__add__ on 8x8 tensors it measures:
   * the unpatched op on inputs already in the dtype its policy runs it in,
-  * the patched op on the same inputs (nothing to cast: the overhead), and
-    the same call through a wrapt wrapper that only calls through (the part
-    of the overhead that is wrapt's binding and call),
+  * the patched op on the same inputs (nothing to cast: the overhead), with
+    the C fast path (``amp_patch/_fastpath.c``) and with the pure-Python
+    wrappers that run where it was not built,
   * the patched op on inputs it must cast, next to the unpatched op on the
     same inputs under torch.autocast (the reference). Autocast does not
     cover ``add``; its reference is the native mixed-dtype add, which promotes
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import wrapt
 
 import amp_patch
-from amp_patch.wrappers import MethodWrapper, OpWrapper
+from amp_patch import wrappers
 
 
 def _cases(half: torch.dtype):
@@ -55,25 +55,6 @@ def _cases(half: torch.dtype):
     ]
 
 
-def _passthrough(wrapped, instance, args, kwargs):
-    return wrapped(*args, **kwargs)
-
-
-def _wrapt_floor(owner, name, fn, number: int) -> float:
-    """The no-cast call with a wrapper of amp_patch's wrapt type that only
-    calls through: the part of the overhead that is wrapt's own."""
-    own = vars(owner).get(name)
-    kind = MethodWrapper if owner is torch.Tensor else OpWrapper
-    setattr(owner, name, kind(getattr(owner, name), _passthrough))
-    try:
-        return _block(fn, number)
-    finally:
-        if own is None:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, own)
-
-
 def _block(fn, number: int) -> float:
     """µs per call, best of three short blocks, in this thread's CPU time (time
     the thread spends descheduled by other work on the machine is not counted)."""
@@ -85,37 +66,42 @@ def measure(half: torch.dtype, rounds: int = 60, number: int = 100):
     milliseconds; the overhead and the ratio are taken per round, and every
     figure reported is the median over rounds."""
     cases = _cases(half)
-    per_round = {(name, k): [] for name, *_ in cases for k in ("unpatched", "wrapt", "reference", "patched", "casting")}
+    kinds = ("unpatched", "reference", "patched", "casting", "py_patched", "py_casting")
+    per_round = {(name, k): [] for name, *_ in cases for k in kinds}
+    fast = wrappers.fast
     for _ in range(rounds):
-        for name, (owner, attr), nocast, casting, covered in cases:
+        for name, _, nocast, casting, covered in cases:
             per_round[(name, "unpatched")].append(_block(nocast, number))
-            per_round[(name, "wrapt")].append(_wrapt_floor(owner, attr, nocast, number))
             if covered:
                 with torch.autocast("cpu", dtype=half):
                     per_round[(name, "reference")].append(_block(casting, number))
             else:
                 per_round[(name, "reference")].append(_block(casting, number))
-        amp_patch.initialize(None, None, "O1", half_dtype=half, verbosity=0)
-        try:
-            for name, _, nocast, casting, _ in cases:
-                per_round[(name, "patched")].append(_block(nocast, number))
-                per_round[(name, "casting")].append(_block(casting, number))
-        finally:
-            amp_patch.deinitialize()
+        for prefix, types in (("", fast), ("py_", None)):
+            wrappers.fast = types  # the wrapper types initialize builds
+            amp_patch.initialize(None, None, "O1", half_dtype=half, verbosity=0)
+            try:
+                for name, _, nocast, casting, _ in cases:
+                    per_round[(name, prefix + "patched")].append(_block(nocast, number))
+                    per_round[(name, prefix + "casting")].append(_block(casting, number))
+            finally:
+                amp_patch.deinitialize()
+                wrappers.fast = fast
     med = statistics.median
     rows = []
     for name, _, _, _, covered in cases:
-        r = {k: per_round[(name, k)] for k in ("unpatched", "wrapt", "patched", "casting", "reference")}
+        r = {k: per_round[(name, k)] for k in kinds}
         rows.append(
             dict(
                 op=name,
                 unpatched_us=med(r["unpatched"]),
                 patched_nocast_us=med(r["patched"]),
                 overhead_us=med([b - a for a, b in zip(r["unpatched"], r["patched"])]),
-                wrapt_us=med([b - a for a, b in zip(r["unpatched"], r["wrapt"])]),
+                py_overhead_us=med([b - a for a, b in zip(r["unpatched"], r["py_patched"])]),
                 patched_cast_us=med(r["casting"]),
                 reference_us=med(r["reference"]),
                 ratio_to_reference=med([c / d for c, d in zip(r["casting"], r["reference"])]),
+                py_ratio_to_reference=med([c / d for c, d in zip(r["py_casting"], r["reference"])]),
                 reference="torch.autocast" if covered else "native mixed-dtype op",
             )
         )
@@ -124,14 +110,16 @@ def measure(half: torch.dtype, rounds: int = 60, number: int = 100):
 
 def to_markdown(rows, half) -> str:
     lines = [
-        f"| op ({str(half).split('.')[-1]}, 8x8) | unpatched µs | patched, no cast µs | overhead µs | of which wrapt µs | "
-        f"patched, casting µs | reference µs | casting / reference | reference |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| op ({str(half).split('.')[-1]}, 8x8) | unpatched µs | patched, no cast µs | overhead µs | "
+        f"overhead, pure Python µs | patched, casting µs | reference µs | casting / reference | "
+        f"casting / reference, pure Python | reference |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['op']} | {r['unpatched_us']:.2f} | {r['patched_nocast_us']:.2f} | {r['overhead_us']:.2f} | {r['wrapt_us']:.2f} | "
-            f"{r['patched_cast_us']:.2f} | {r['reference_us']:.2f} | {r['ratio_to_reference']:.2f}× | {r['reference']} |"
+            f"| {r['op']} | {r['unpatched_us']:.2f} | {r['patched_nocast_us']:.2f} | {r['overhead_us']:.2f} | "
+            f"{r['py_overhead_us']:.2f} | {r['patched_cast_us']:.2f} | {r['reference_us']:.2f} | "
+            f"{r['ratio_to_reference']:.2f}× | {r['py_ratio_to_reference']:.2f}× | {r['reference']} |"
         )
     return "\n".join(lines)
 
@@ -156,7 +144,8 @@ def main(argv=None):
         print(to_markdown(rows, half))
     else:
         print("\n".join(str(r) for r in rows))
-    print(f"torch {torch.__version__}, wrapt {wrapt.__version__} ({'C extension' if c_ext else 'pure Python'}), 1 thread")
+    path = "C fast path" if wrappers.fast is not None else f"no C fast path ({wrappers.FAST_UNAVAILABLE})"
+    print(f"torch {torch.__version__}, wrapt {wrapt.__version__} ({'C extension' if c_ext else 'pure Python'}), {path}, 1 thread")
     return rows
 
 

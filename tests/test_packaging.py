@@ -1,11 +1,13 @@
 """The op lists ship inside the package: found after `pip install .`, after
-`pip install -e .` (this test environment) and from a built wheel."""
+`pip install -e .` (this test environment) and from a built wheel. Where a C
+compiler is, each install builds the C fast path (``amp_patch._fastpath``)."""
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -17,8 +19,17 @@ LIST_FILES = sorted(p.name for p in (ROOT / "lists").glob("*.yaml"))
 PROBE = (
     "import amp_patch, amp_patch.oplists as L, sys; "
     "names = [n for n, _ in L.default_files()]; "
-    "print(amp_patch.__file__); print(len(L.load().entries), sorted(names))"
+    "print(amp_patch.__file__); print(len(L.load().entries), sorted(names)); "
+    "import amp_patch.wrappers as W; print('fastpath', W.fast.__file__ if W.fast else W.FAST_UNAVAILABLE)"
 )
+#: a compiler is here, so every install must have built the C fast path
+COMPILER = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is not None
+
+
+def _assert_fast_path_in(out: str, site: Path) -> None:
+    line = next(x for x in out.splitlines() if x.startswith("fastpath "))
+    if COMPILER:
+        assert line.startswith(f"fastpath {site}"), f"the install did not build the C fast path: {line}"
 
 
 def _source_copy(tmp_path: Path) -> Path:
@@ -27,7 +38,8 @@ def _source_copy(tmp_path: Path) -> Path:
     src.mkdir()
     for name in ("setup.cfg", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    # The checkout's own build of the extension stays behind: each install builds it.
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
     shutil.copytree(ROOT / "amp_patch", src / "amp_patch", ignore=ignore)
     shutil.copytree(ROOT / "lists", src / "lists", ignore=ignore)
     return src
@@ -59,6 +71,8 @@ def test_wheel_contains_lists_and_loads_them(tmp_path):
     _pip("install", "--no-deps", "--target", str(site), str(wheel), cwd=tmp_path)
     out = _probe(site, tmp_path)
     assert str(site) in out and "torch.nn.functional.yaml" in out
+    assert any(n.startswith("amp_patch/_fastpath") and n.endswith((".so", ".pyd")) for n in names) or not COMPILER
+    _assert_fast_path_in(out, site)
 
 
 @pytest.mark.slow
@@ -68,6 +82,7 @@ def test_plain_pip_install_finds_lists(tmp_path):
     _pip("install", "--no-deps", "--no-build-isolation", "--target", str(site), ".", cwd=src)
     out = _probe(site, tmp_path)
     assert str(site) in out and "torch.Tensor.yaml" in out
+    _assert_fast_path_in(out, site)
 
 
 def test_editable_install_finds_lists_in_the_checkout():
