@@ -6,6 +6,12 @@ when nothing needs casting; then the wrapper calls straight through. That
 no-cast path is the hot path: a few flag reads, the dtype checks, and the
 call, with no allocation, formatting or logging.
 
+Where the C fast path is built (``_fastpath.c``, see the end of this module),
+``make_wrapper`` returns its wrapt subclasses for the ``half``, ``float`` and
+``promote`` policies: their call does the common case (positional arguments,
+casting on, no container) in C, with the same decisions, and hands any other
+call to the Python wrapper below through wrapt, unchanged.
+
 A Tensor method's wrapper receives its receiver as ``args[0]`` (see
 ``MethodWrapper``) and calls the unbound original, so casting the receiver is
 casting an argument, and one wrapper serves functions and methods alike.
