@@ -306,6 +306,20 @@ fast_dealloc(PyObject *self)
     Py_DECREF(type);
 }
 
+/* A torch function kept as a class attribute binds as the original does: a
+   builtin (torch.mm) is no descriptor and stays unbound; a Python function
+   (F.mse_loss) binds through wrapt, as wrappers.OpWrapper does. */
+static PyObject *
+function_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    PyObject *original = FAST(self)->original;
+    if (original == NULL || Py_TYPE(original)->tp_descr_get == NULL) {
+        Py_INCREF(self);
+        return self;
+    }
+    return wrapt_type->tp_descr_get(self, obj, type);
+}
+
 /* A Tensor method binds as a Python function does: x.add is a bound method
    of the wrapper, called with the receiver as args[0]. */
 static PyObject *
@@ -332,7 +346,7 @@ make_type(const char *name, PyObject *base, int method)
         {Py_tp_clear, fast_clear},
         {Py_tp_dealloc, fast_dealloc},
         {Py_tp_members, members},
-        {method ? Py_tp_descr_get : 0, method ? (void *)method_get : NULL},
+        {Py_tp_descr_get, method ? (void *)method_get : (void *)function_get},
         {0, NULL},
     };
     PyType_Spec spec = {

@@ -203,6 +203,13 @@ class OpWrapper(wrapt.FunctionWrapper):
     def __init__(self, wrapped: Any, wrapper: Callable) -> None:
         _WrapperBase.__init__(self, wrapped, None, wrapper, None, "staticmethod")
 
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        # A builtin (torch.mm, F.linear) is no descriptor: kept as a class
+        # attribute (``act = torch.tanh``) it stays unbound, as it is unpatched.
+        if not hasattr(type(self.__wrapped__), "__get__"):
+            return self
+        return _WrapperBase.__get__(self, obj, owner)
+
 
 class MethodWrapper(OpWrapper):
     """The wrapt wrapper on a ``torch.Tensor`` method or operator.

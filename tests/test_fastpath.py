@@ -265,3 +265,30 @@ def test_pure_python_environment_variable():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "OpWrapper", "torch.bfloat16"]
+
+
+def test_a_torch_function_kept_as_a_class_attribute_binds_as_unpatched(wrapper_path):
+    """``act = torch.mm`` on a class: a builtin stays unbound, a Python function
+    (F.mse_loss) binds its instance, with torch patched as without it."""
+
+    def probe():
+        class Holder:
+            lin, mse, mm = F.linear, F.mse_loss, torch.mm
+
+        h, x, w = Holder(), torch.ones(3, 4), torch.ones(5, 4)
+        calls = (lambda: h.lin(x, w), lambda: Holder.lin(x, w), lambda: h.mse(x, x),
+                 lambda: Holder.mse(x, x), lambda: h.mm(x, w.t()))
+        out = []
+        for call in calls:
+            try:
+                out.append(call().dtype)
+            except AttributeError:  # the instance taken for the input, as unpatched
+                out.append("binds")
+        return out
+
+    assert probe() == [f32, f32, "binds", f32, f32]
+    amp_patch.initialize(None, None, "O4", verbosity=0)
+    try:
+        assert probe() == [bf16, bf16, "binds", f32, bf16]
+    finally:
+        amp_patch.deinitialize()
