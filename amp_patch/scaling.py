@@ -609,7 +609,15 @@ class _Forget:
 
 
 def make_backward_patch(amp: Any):
-    """The ``Tensor.backward`` patch: loss scaling for plain loops, then an empty cast cache."""
+    """The ``Tensor.backward`` patch: loss scaling for plain loops, and an empty cast cache.
+
+    The cache is emptied before the backward too: the forward is over, and
+    the half weight copies it holds would otherwise live until the end of
+    the backward instead of being freed as autograd releases them (measured
+    on the Paddle MLP, BF16 O1: backward 80 ms with the copies held, 74 ms
+    without, autocast's 75 ms). A forward recomputed inside the backward
+    (activation checkpointing) casts again, to the same values.
+    """
     import wrapt
 
     run = _run(amp)
@@ -617,6 +625,7 @@ def make_backward_patch(amp: Any):
 
     def make(original):
         def backward(wrapped, instance, args, kwargs):
+            amp.cache.clear()
             try:
                 if (
                     not run.plain

@@ -270,6 +270,30 @@ def test_cache_is_emptied_after_backward_and_does_not_grow():
         amp_patch.deinitialize()
 
 
+def test_half_weight_copies_are_freed_as_the_backward_releases_them():
+    """The cache lets go of its copies when the backward starts, so a copy that
+    autograd did not save (the first layer's, whose input needs no gradient) is
+    gone before the backward runs, as under autocast."""
+    import weakref
+
+    lin = nn.Linear(4, 4)
+    amp_patch.initialize(lin, None, "O1", half_dtype="bfloat16")
+    try:
+        from amp_patch import _state
+
+        cache = _state.current().cache
+        out = lin(torch.randn(2, 4))
+        copies = [weakref.ref(entry[4]) for entry in cache._maps[1].values()]
+        assert len(copies) == 2  # weight and bias
+        seen = []
+        out.register_hook(lambda g: seen.append((len(cache), [c() is None for c in copies])))
+        out.float().sum().backward()
+        assert seen == [(0, [True, True])]
+        assert lin.weight.grad.dtype == torch.float32
+    finally:
+        amp_patch.deinitialize()
+
+
 def test_cached_cast_from_no_grad_is_not_reused_with_grad():
     lin = nn.Linear(4, 4)
     amp_patch.initialize(lin, None, "O1", half_dtype="bfloat16")
