@@ -41,6 +41,8 @@ typedef struct {
 static Py_ssize_t fast_offset;      /* where Fast starts inside the object */
 static PyTypeObject *wrapt_type;    /* wrapt.FunctionWrapper: call, GC, dealloc */
 static initproc base_init;          /* wrapt._FunctionWrapperBase's, takes the binding */
+static int wrapt_heap;              /* wrapt >= 2.2 builds heap types, which visit and
+                                       release the object's type themselves */
 static PyTypeObject *tensor_type;   /* torch.Tensor */
 static PyObject *disabled;          /* wrappers.disabled: {thread: depth} */
 static PyObject *divert;            /* wrappers.divert: non-empty = Python only */
@@ -271,7 +273,8 @@ static int
 fast_traverse(PyObject *self, visitproc visit, void *arg)
 {
     Fast *f = FAST(self);
-    Py_VISIT(Py_TYPE(self));
+    if (!wrapt_heap)
+        Py_VISIT(Py_TYPE(self));
     Py_VISIT(f->original);
     Py_VISIT(f->castable);
     Py_VISIT(f->to);
@@ -300,10 +303,11 @@ fast_dealloc(PyObject *self)
     PyTypeObject *type = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     fast_clear(self);
-    /* wrapt's dealloc frees the object; a heap type also owns a reference
-       to its type, which wrapt's static types do not release */
+    /* wrapt's dealloc frees the object. The object owns a reference to its
+       (heap) type: wrapt's own heap types release it, its static ones do not */
     wrapt_type->tp_dealloc(self);
-    Py_DECREF(type);
+    if (!wrapt_heap)
+        Py_DECREF(type);
 }
 
 /* A torch function kept as a class attribute binds as the original does: a
@@ -387,7 +391,7 @@ import_attr(const char *module, const char *attr)
 PyMODINIT_FUNC
 PyInit__fastpath(void)
 {
-    PyObject *m, *function_wrapper, *function_type = NULL, *method_type = NULL;
+    PyObject *m, *function_wrapper, *c_wrapper, *function_type = NULL, *method_type = NULL;
 
     str_dtype = PyUnicode_InternFromString("dtype");
     str_on = PyUnicode_InternFromString("on");
@@ -406,12 +410,21 @@ PyInit__fastpath(void)
         goto fail;
     }
     /* with wrapt's pure-Python fallback there is no C object to extend */
-    wrapt_type = (PyTypeObject *)function_wrapper;
-    if (wrapt_type->tp_flags & Py_TPFLAGS_HEAPTYPE || !(wrapt_type->tp_flags & Py_TPFLAGS_HAVE_GC) ||
-        wrapt_type->tp_base == NULL || !wrapt_type->tp_call || !wrapt_type->tp_base->tp_init) {
+    c_wrapper = import_attr("wrapt._wrappers", "FunctionWrapper");
+    if (c_wrapper == NULL || c_wrapper != function_wrapper) {
+        Py_XDECREF(c_wrapper);
+        PyErr_Clear();
         PyErr_SetString(PyExc_ImportError, "wrapt's C extension is not in use");
         goto fail;
     }
+    Py_DECREF(c_wrapper);
+    wrapt_type = (PyTypeObject *)function_wrapper;
+    if (!(wrapt_type->tp_flags & Py_TPFLAGS_HAVE_GC) || wrapt_type->tp_base == NULL || !wrapt_type->tp_call ||
+        !wrapt_type->tp_descr_get || !wrapt_type->tp_base->tp_init) {
+        PyErr_SetString(PyExc_ImportError, "wrapt.FunctionWrapper is not the C type this module extends");
+        goto fail;
+    }
+    wrapt_heap = (wrapt_type->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0;
     base_init = wrapt_type->tp_base->tp_init;
     fast_offset = wrapt_type->tp_basicsize;
     function_type = make_type("amp_patch._fastpath.FastOpWrapper", function_wrapper, 0);

@@ -292,3 +292,19 @@ def test_a_torch_function_kept_as_a_class_attribute_binds_as_unpatched(wrapper_p
         assert probe() == [bf16, bf16, "binds", f32, bf16]
     finally:
         amp_patch.deinitialize()
+
+
+def test_wrapper_types_keep_their_reference_count_over_sessions():
+    """Each C wrapper owns one reference to its type and gives it back when
+    freed (wrapt's heap types release it themselves, its static ones do not)."""
+    if wrappers.fast is None:
+        pytest.fail(f"the C fast path is not built: {wrappers.FAST_UNAVAILABLE}")
+    types = (wrappers.fast.FastOpWrapper, wrappers.fast.FastMethodWrapper)
+    gc.collect()
+    before = [sys.getrefcount(t) for t in types]
+    for _ in range(5):
+        amp_patch.initialize(None, None, "O4", verbosity=0)
+        assert isinstance(torch.mm, types[0]) and isinstance(vars(torch.Tensor)["__add__"], types[1])
+        amp_patch.deinitialize()
+        gc.collect()
+    assert [sys.getrefcount(t) for t in types] == before
