@@ -28,7 +28,7 @@
 #include <stddef.h>
 
 typedef struct {
-    vectorcallfunc vectorcall; /* this object's call, see fast_call */
+    vectorcallfunc vectorcall; /* fast_call once initialized, NULL before and after clear */
     PyObject *original;        /* the unwrapped op (unbound for Tensor methods) */
     PyObject *castable;        /* tuple of the dtypes that trigger a cast */
     PyObject *to;              /* the dtype cast to */
@@ -68,6 +68,29 @@ in_tuple(PyObject *tuple, PyObject *item)
     return 0;
 }
 
+/* A tensor's dtype, borrowed: torch keeps every dtype object alive and only
+   its identity is used. NULL with an exception set on error. */
+static PyObject *
+dtype_of(PyObject *tensor)
+{
+    PyObject *dt = PyObject_GetAttr(tensor, str_dtype);
+    Py_XDECREF(dt);
+    return dt;
+}
+
+/* bool(obj.name): 1, 0, or -1 with an exception set */
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    int r;
+    if (value == NULL)
+        return -1;
+    r = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return r;
+}
+
 /* 0: call the original; 1: cast; 2: leave it to the Python wrapper; -1: error.
    The scan always runs to the end: a container argument anywhere means 2,
    since only the Python wrapper casts inside containers. */
@@ -83,11 +106,9 @@ plan(Fast *f, PyObject *const *args, Py_ssize_t n)
             PyObject *dt;
             if (cast)
                 continue;
-            dt = PyObject_GetAttr(a, str_dtype);
+            dt = dtype_of(a);
             if (dt == NULL)
                 return -1;
-            /* torch keeps every dtype object alive; only its identity is used */
-            Py_DECREF(dt);
             if (!in_tuple(f->castable, dt))
                 continue;
             if (!f->promote || (seen != NULL && dt != seen))
@@ -107,12 +128,7 @@ static PyObject *
 cast_one(Fast *f, PyObject *a)
 {
     if (f->cache_cast != Py_None) {
-        PyObject *rg = PyObject_GetAttr(a, str_requires_grad);
-        int grad;
-        if (rg == NULL)
-            return NULL;
-        grad = PyObject_IsTrue(rg);
-        Py_DECREF(rg);
+        int grad = attr_true(a, str_requires_grad);
         if (grad < 0)
             return NULL;
         if (grad) {
@@ -140,10 +156,9 @@ cast_and_call(Fast *f, PyObject *const *args, Py_ssize_t n)
         PyObject *a = args[done];
         out[done] = NULL;
         if (PyObject_TypeCheck(a, tensor_type)) {
-            PyObject *dt = PyObject_GetAttr(a, str_dtype);
+            PyObject *dt = dtype_of(a);
             if (dt == NULL)
                 goto finally;
-            Py_DECREF(dt);
             if (dt != f->to && in_tuple(f->castable, dt)) {
                 out[done] = cast_one(f, a);
                 if (out[done] == NULL)
@@ -204,16 +219,9 @@ fast_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwname
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
     int on, r;
 
-    if ((kwnames && PyTuple_GET_SIZE(kwnames)) || PyDict_GET_SIZE(disabled) || PyDict_GET_SIZE(divert) ||
-        f->original == NULL)
+    if ((kwnames && PyTuple_GET_SIZE(kwnames)) || PyDict_GET_SIZE(disabled) || PyDict_GET_SIZE(divert))
         return general(self, args, n, kwnames);
-    {
-        PyObject *live = PyObject_GetAttr(f->live, str_on);
-        if (live == NULL)
-            return NULL;
-        on = PyObject_IsTrue(live);
-        Py_DECREF(live);
-    }
+    on = attr_true(f->live, str_on);
     if (on < 0)
         return NULL;
     if (!on)
@@ -252,18 +260,14 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_DECREF(base_args);
     if (r < 0)
         return -1;
-    Py_INCREF(wrapped);
-    Py_XSETREF(f->original, wrapped);
-    Py_INCREF(castable);
-    Py_XSETREF(f->castable, castable);
-    Py_INCREF(to);
-    Py_XSETREF(f->to, to);
-    Py_INCREF(convert);
-    Py_XSETREF(f->convert, convert);
-    Py_INCREF(cache_cast);
-    Py_XSETREF(f->cache_cast, cache_cast);
-    Py_INCREF(live);
-    Py_XSETREF(f->live, live);
+#define SET(field, value) do { Py_INCREF(value); Py_XSETREF(f->field, value); } while (0)
+    SET(original, wrapped);
+    SET(castable, castable);
+    SET(to, to);
+    SET(convert, convert);
+    SET(cache_cast, cache_cast);
+    SET(live, live);
+#undef SET
     f->promote = promote;
     f->vectorcall = fast_call;
     return 0;
@@ -288,6 +292,9 @@ static int
 fast_clear(PyObject *self)
 {
     Fast *f = FAST(self);
+    /* A cleared object is not callable, so fast_call always finds its fields
+       set (as an object never initialized: fast_init sets the call last). */
+    f->vectorcall = NULL;
     Py_CLEAR(f->original);
     Py_CLEAR(f->castable);
     Py_CLEAR(f->to);

@@ -43,15 +43,14 @@ def _cases(half: torch.dtype):
     b = torch.nn.Parameter(torch.randn(8))
     xh, wh, bh = x.to(half), w.detach().to(half), b.detach().to(half)
     y = torch.randn(8, 8)
-    # (name, owner and attribute, no-cast call, casting call, autocast covers
-    # it); the calls look the op up at call time, so the same lambda times the
+    # (name, no-cast call, casting call, autocast covers it); the calls look the op up at call time, so the same lambda times the
     # patched and the unpatched op.
     return [
-        ("F.linear", (F, "linear"), lambda: F.linear(xh, wh, bh), lambda: F.linear(x, w, b), True),
-        ("torch.mm", (torch, "mm"), lambda: torch.mm(xh, wh), lambda: torch.mm(x, w), True),
+        ("F.linear", lambda: F.linear(xh, wh, bh), lambda: F.linear(x, w, b), True),
+        ("torch.mm", lambda: torch.mm(xh, wh), lambda: torch.mm(x, w), True),
         # a Python function (most of torch.nn.functional), run in FP32
-        ("F.mse_loss", (F, "mse_loss"), lambda: F.mse_loss(x, y), lambda: F.mse_loss(xh, wh), True),
-        ("Tensor.__add__", (torch.Tensor, "__add__"), lambda: xh + wh, lambda: x + wh, False),
+        ("F.mse_loss", lambda: F.mse_loss(x, y), lambda: F.mse_loss(xh, wh), True),
+        ("Tensor.__add__", lambda: xh + wh, lambda: x + wh, False),
     ]
 
 
@@ -70,7 +69,7 @@ def measure(half: torch.dtype, rounds: int = 60, number: int = 100):
     per_round = {(name, k): [] for name, *_ in cases for k in kinds}
     fast = wrappers.fast
     for _ in range(rounds):
-        for name, _, nocast, casting, covered in cases:
+        for name, nocast, casting, covered in cases:
             per_round[(name, "unpatched")].append(_block(nocast, number))
             if covered:
                 with torch.autocast("cpu", dtype=half):
@@ -81,7 +80,7 @@ def measure(half: torch.dtype, rounds: int = 60, number: int = 100):
             wrappers.fast = types  # the wrapper types initialize builds
             amp_patch.initialize(None, None, "O1", half_dtype=half, verbosity=0)
             try:
-                for name, _, nocast, casting, _ in cases:
+                for name, nocast, casting, _ in cases:
                     per_round[(name, prefix + "patched")].append(_block(nocast, number))
                     per_round[(name, prefix + "casting")].append(_block(casting, number))
             finally:
@@ -89,7 +88,7 @@ def measure(half: torch.dtype, rounds: int = 60, number: int = 100):
                 wrappers.fast = fast
     med = statistics.median
     rows = []
-    for name, _, _, _, covered in cases:
+    for name, _, _, covered in cases:
         r = {k: per_round[(name, k)] for k in kinds}
         rows.append(
             dict(

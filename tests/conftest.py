@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import amp_patch
 from amp_patch.oplists import NAMESPACES
-from helpers import ENV
+from helpers import ENV, fast_path
 
 SNAPSHOT = {name: obj for name, obj in NAMESPACES.items()}
 
@@ -58,8 +58,7 @@ def wrapper_path(request, monkeypatch):
     from amp_patch import wrappers
 
     if request.param == "c":
-        if wrappers.fast is None:
-            pytest.fail(f"the C fast path is not built: {wrappers.FAST_UNAVAILABLE}")
+        fast_path()
     else:
         monkeypatch.setattr(wrappers, "fast", None)
     return request.param

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
+import sysconfig
 import textwrap
 
+import pytest
+
 import amp_patch
-from amp_patch import launcher
+from amp_patch import launcher, wrappers
 
 #: every environment variable amp_patch reads
 ENV = (launcher.ENV_OPT_LEVEL, launcher.ENV_HALF_DTYPE, launcher.ENV_LOSS_SCALE, launcher.ENV_LISTS)
+
+#: a C compiler is here, so every install must build the C fast path
+HAS_C_COMPILER = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is not None
+
+
+def fast_path():
+    """The C fast path's module; fails the test when it is not built."""
+    if wrappers.fast is None:
+        pytest.fail(f"the C fast path is not built: {wrappers.FAST_UNAVAILABLE}")
+    return wrappers.fast
 
 
 @contextlib.contextmanager

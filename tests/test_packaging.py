@@ -7,11 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import HAS_C_COMPILER
 
 ROOT = Path(__file__).resolve().parents[1]
 #: every default list in the checkout; each must reach the wheel
@@ -22,13 +22,11 @@ PROBE = (
     "print(amp_patch.__file__); print(len(L.load().entries), sorted(names)); "
     "import amp_patch.wrappers as W; print('fastpath', W.fast.__file__ if W.fast else W.FAST_UNAVAILABLE)"
 )
-#: a compiler is here, so every install must have built the C fast path
-COMPILER = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is not None
 
 
 def _assert_fast_path_in(out: str, site: Path) -> None:
     line = next(x for x in out.splitlines() if x.startswith("fastpath "))
-    if COMPILER:
+    if HAS_C_COMPILER:
         assert line.startswith(f"fastpath {site}"), f"the install did not build the C fast path: {line}"
 
 
@@ -71,7 +69,7 @@ def test_wheel_contains_lists_and_loads_them(tmp_path):
     _pip("install", "--no-deps", "--target", str(site), str(wheel), cwd=tmp_path)
     out = _probe(site, tmp_path)
     assert str(site) in out and "torch.nn.functional.yaml" in out
-    assert any(n.startswith("amp_patch/_fastpath") and n.endswith((".so", ".pyd")) for n in names) or not COMPILER
+    assert any(n.startswith("amp_patch/_fastpath") and n.endswith((".so", ".pyd")) for n in names) or not HAS_C_COMPILER
     _assert_fast_path_in(out, site)
 
 

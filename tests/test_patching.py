@@ -17,8 +17,9 @@ HALVES = [torch.float16, torch.bfloat16]
 
 
 @pytest.fixture
-def o1():
-    """Start O1 with the given half dtype; always deinitialize."""
+def o1(wrapper_path):
+    """Start O1 with the given half dtype, once with the C wrapper types and once
+    with the pure-Python ones; always deinitialize."""
     started = []
 
     def start(half=torch.bfloat16, **kw):
