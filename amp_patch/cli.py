@@ -26,6 +26,14 @@ from .properties import parse_dtype
 PROG = "amp-patch"
 HALF_CHOICES = "float16|bfloat16"
 
+# The globals of the script ``run`` ran, held until the interpreter exits, as
+# ``python script.py`` holds its ``__main__``. Dropping them as soon as the
+# script returns would run its objects' destructors right after its last line:
+# a DDP model then destroys its gloo process group while gloo's worker thread
+# may still be finishing the last collective and waiting for the GIL, which
+# torch's ~ProcessGroupGloo deadlocks on (one torchrun run in ten hung so).
+_script_globals: List[dict] = []
+
 
 class _UsageExit(Exception):
     """argparse's exit (usage error or --help) as a return code, not SystemExit,
@@ -93,11 +101,16 @@ def _cmd_run(tokens: Sequence[str]) -> int:
         launcher.check_script(script)
     except AmpError as e:
         parser.error(str(e))
+    path = os.path.abspath(script)
     try:
-        launcher.run(script, args, settings)
-    except Exception as e:  # SystemExit and KeyboardInterrupt pass through untouched
+        _script_globals.append(launcher.run(script, args, settings))
+    except BaseException as e:
+        tb = _script_traceback(e.__traceback__, path)
+        if tb is not e.__traceback__:  # the script's module frame: keep its globals too
+            _script_globals.append(tb.tb_frame.f_globals)
+        if not isinstance(e, Exception):  # SystemExit and KeyboardInterrupt pass through untouched
+            raise
         # Print it as `python script.py` would: from the script's first frame.
-        tb = _script_traceback(e.__traceback__, os.path.abspath(script))
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         return 1
     return 0

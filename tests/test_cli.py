@@ -317,6 +317,42 @@ def test_script_traceback_and_exit_code_pass_through_in_a_subprocess(tmp_path):
     assert tb[-1] == "RuntimeError: boom from the training script"
 
 
+LIFETIME_UTIL = """
+class Last:
+    def __del__(self):
+        print("freed", flush=True)
+"""
+# The class lives in a module of its own: one defined in the script would tie
+# the script's globals into a reference cycle, freed only by the collector.
+LIFETIME_SCRIPT = """
+import atexit, sys
+from lifetime_util import Last
+atexit.register(print, "atexit", flush=True)
+keep = Last()
+print("end of script", flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(3)
+if sys.argv[1] == "raise":
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["return", "exit", "raise"])
+def test_script_globals_live_until_exit_as_under_python(tmp_path, ending):
+    # Python frees a script's globals only as the interpreter shuts down,
+    # after atexit; freeing them earlier ran a DDP model's process-group
+    # destructor right after the script's last line (a gloo deadlock).
+    script = tmp_path / "lifetime.py"
+    script.write_text(LIFETIME_SCRIPT)
+    (tmp_path / "lifetime_util.py").write_text(LIFETIME_UTIL)
+    plain = run_cmd([sys.executable, str(script), ending], tmp_path)
+    proc = run_cmd([sys.executable, "-m", "amp_patch", "run", str(script), ending], tmp_path)
+    assert plain.stdout.splitlines() == ["end of script", "atexit", "freed"]
+    assert proc.stdout.splitlines() == plain.stdout.splitlines()
+    assert proc.returncode == plain.returncode == {"return": 0, "exit": 3, "raise": 1}[ending]
+
+
 @pytest.mark.slow
 def test_torchrun_runs_a_ddp_script_under_the_launcher(tmp_path):
     torchrun = shutil.which("torchrun")
