@@ -4,7 +4,8 @@
 (``AmpWarning``, each message once per process) about set-ups that run slower
 than FP32 or not as the user thinks: BF16 on a CPU without native BF16, FP16 on
 a CPU, FP16 over BF16 weights on a BF16-capable GPU, a model spread over
-several devices, optimizer parameters outside the models, and torch functions
+several devices, optimizer parameters outside the models, an optimizer ``eps``
+that is 0 in the half dtype with no FP32 masters (O3), and torch functions
 a user module bound before ``initialize`` (which no patch can reach).
 
 Overflow provenance (``initialize(..., find_overflow=True)``, or
@@ -155,6 +156,34 @@ def optimizer_warnings(props: Any, models: Sequence[torch.nn.Module], optimizers
     return out
 
 
+def pure_half_warnings(props: Any, optimizers: Sequence[Any]) -> List[str]:
+    """Optimizer hyperparameters that are 0 in the half dtype, with no FP32 masters (O3).
+
+    Without master weights the optimizer steps the half parameters itself, so
+    an Adam-style ``eps`` is added in the half dtype: FP16 rounds 1e-8 to 0,
+    and a parameter whose gradient is 0 (or below ~2e-4, whose square
+    underflows) is divided by 0 and turns NaN or inf.
+    """
+    if props.master_weights or props.cast_model_type not in LOW:
+        return []
+    half = props.cast_model_type
+    out = []
+    for i, opt in enumerate(optimizers):
+        vanishing = sorted({
+            g["eps"] for g in opt.param_groups
+            if isinstance(g.get("eps"), float) and g["eps"] > 0 and torch.tensor(g["eps"], dtype=half).item() == 0
+        })
+        if vanishing:
+            out.append(
+                f"amp_patch: {props.opt_level} keeps no FP32 master weights, so optimizer {i} "
+                f"({type(opt).__name__}) steps {dtype_name(half)} parameters itself, and its eps="
+                f"{', '.join(map(repr, vanishing))} is 0 in {dtype_name(half)}: a parameter whose gradient is 0 "
+                f"divides 0 by 0 and becomes NaN. Use opt_level='O2' (FP32 master weights), or give the "
+                f"optimizer eps=1e-4 or more."
+            )
+    return out
+
+
 def _library_dirs() -> Tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
@@ -224,6 +253,7 @@ def warn_at_initialize(amp: Any, models: Sequence[torch.nn.Module], optimizers: 
         + bf16_weights_warnings(props, device, gpu_bf16, models)
         + device_warnings(props, models)
         + optimizer_warnings(props, models, optimizers)
+        + pure_half_warnings(props, optimizers)
         + captured_warnings(amp)
     )
     for m in messages:

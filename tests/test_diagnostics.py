@@ -130,6 +130,36 @@ def test_optimizer_parameters_outside_the_models_warn_at_o1():
     assert not [m for m in msgs if "optimizer 0" in m]
 
 
+def _o3_adamw_step(eps, level="O3", half=f16):
+    """One AdamW step of an initialized model whose second weight gets no gradient."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps)
+    try:
+        msgs, _ = _init_and_collect(model, opt, opt_level=level, half_dtype=half)
+        model[0](torch.randn(2, 4, dtype=half)).float().sum().backward()  # model[1] gets no gradient...
+        model[1].weight.grad = torch.zeros_like(model[1].weight)  # ...but a zero one, as after zero_grad
+        opt.step()
+        return msgs, torch.isfinite(model[1].weight.float()).all().item()
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_an_eps_that_is_zero_in_fp16_warns_at_o3_and_does_turn_weights_nan():
+    msgs, finite = _o3_adamw_step(1e-8)
+    assert not finite  # what the warning says happens
+    assert [m for m in msgs if "eps" in m] == [
+        "amp_patch: O3 keeps no FP32 master weights, so optimizer 0 (AdamW) steps float16 parameters "
+        "itself, and its eps=1e-08 is 0 in float16: a parameter whose gradient is 0 divides 0 by 0 and "
+        "becomes NaN. Use opt_level='O2' (FP32 master weights), or give the optimizer eps=1e-4 or more."
+    ]
+
+
+@pytest.mark.parametrize("eps,level,half", [(1e-4, "O3", f16), (1e-8, "O2", f16), (1e-8, "O3", bf16)])
+def test_no_eps_warning_where_eps_survives_or_masters_are_fp32(eps, level, half):
+    msgs, finite = _o3_adamw_step(eps, level, half)
+    assert finite and not [m for m in msgs if "eps" in m]
+
+
 def test_functions_captured_before_initialize_are_named(tmp_path, monkeypatch):
     (tmp_path / "captured_mod.py").write_text(textwrap.dedent("""
         import torch.nn.functional as F           # a module: fine
