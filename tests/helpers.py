@@ -6,6 +6,7 @@ import contextlib
 import shutil
 import sysconfig
 import textwrap
+import time
 
 import pytest
 
@@ -35,6 +36,20 @@ def amp(*args, **kwargs):
         yield out
     finally:
         amp_patch.deinitialize()
+
+
+def destroy_process_group():
+    """``dist.destroy_process_group()``, after letting gloo finish the last collective.
+
+    gloo's worker thread frees a finished collective's tensors with the GIL;
+    if the process group is destroyed (when the last DDP model holding it is
+    freed) by a thread that holds the GIL meanwhile, torch deadlocks. Sleeping
+    releases the GIL long enough for that thread to finish.
+    """
+    import torch.distributed as dist
+
+    time.sleep(0.05)
+    dist.destroy_process_group()
 
 
 def write(tmp_path, name, body):

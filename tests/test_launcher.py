@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import amp_patch
 from amp_patch import ConfigError, ListError, _state, launcher, scaling
 from amp_patch.launcher import OptimizerHook, Session, Settings, owning_model
-from helpers import write
+from helpers import destroy_process_group, write
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -195,7 +195,7 @@ def test_owning_model_refuses_a_model_already_in_ddp(monkeypatch):
         with pytest.raises(ConfigError, match="already wrapped in DistributedDataParallel.*before `DistributedDataParallel"):
             owning_model(torch.optim.SGD(ddp.parameters(), lr=0.1))
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 # ------------------------------------------------------------------ run

@@ -12,7 +12,7 @@ from torch import nn
 
 import amp_patch
 from amp_patch.errors import ConfigError
-from helpers import amp
+from helpers import amp, destroy_process_group
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -474,7 +474,7 @@ def test_distributed_data_parallel_wraps_the_converted_model(tmp_path):
         with pytest.raises(ConfigError, match="initialize on the plain model first"):
             amp_patch.initialize(wrapped, None, "O2", verbosity=0)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def test_a_closure_optimizer_runs_at_o2_in_bf16():

@@ -19,7 +19,7 @@ from torch import nn
 import amp_patch
 from amp_patch import scaling
 from amp_patch.errors import ConfigError, OverflowLoopError, StateError
-from helpers import amp
+from helpers import amp, destroy_process_group
 
 FP16 = dict(half_dtype=torch.float16, verbosity=0)
 
@@ -630,7 +630,7 @@ def gloo(tmp_path):
     try:
         yield dist
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def test_found_inf_is_all_reduced_once_per_step_under_torch_distributed(gloo, monkeypatch):
