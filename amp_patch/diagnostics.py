@@ -177,9 +177,9 @@ def pure_half_warnings(props: Any, optimizers: Sequence[Any]) -> List[str]:
             out.append(
                 f"amp_patch: {props.opt_level} keeps no FP32 master weights, so optimizer {i} "
                 f"({type(opt).__name__}) steps {dtype_name(half)} parameters itself, and its eps="
-                f"{', '.join(map(repr, vanishing))} is 0 in {dtype_name(half)}: a parameter whose gradient is 0 "
-                f"divides 0 by 0 and becomes NaN. Use opt_level='O2' (FP32 master weights), or give the "
-                f"optimizer eps=1e-4 or more."
+                f"{', '.join(map(repr, vanishing))} is 0 in {dtype_name(half)}: where a gradient is 0 or its square "
+                f"underflows (below about 2e-4), the update divides by 0 and the weight becomes inf or NaN. "
+                f"Use opt_level='O2' (FP32 master weights), or give the optimizer eps=1e-4 or more."
             )
     return out
 

@@ -149,8 +149,9 @@ def test_an_eps_that_is_zero_in_fp16_warns_at_o3_and_does_turn_weights_nan():
     assert not finite  # what the warning says happens
     assert [m for m in msgs if "eps" in m] == [
         "amp_patch: O3 keeps no FP32 master weights, so optimizer 0 (AdamW) steps float16 parameters "
-        "itself, and its eps=1e-08 is 0 in float16: a parameter whose gradient is 0 divides 0 by 0 and "
-        "becomes NaN. Use opt_level='O2' (FP32 master weights), or give the optimizer eps=1e-4 or more."
+        "itself, and its eps=1e-08 is 0 in float16: where a gradient is 0 or its square underflows (below "
+        "about 2e-4), the update divides by 0 and the weight becomes inf or NaN. Use opt_level='O2' (FP32 "
+        "master weights), or give the optimizer eps=1e-4 or more."
     ]
 
 
