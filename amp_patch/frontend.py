@@ -10,6 +10,8 @@ never left half-patched.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import logging
 import threading
 from typing import Any, Callable, Iterator, List, Sequence, Tuple
@@ -87,6 +89,39 @@ def _patch_items(amp: AmpState) -> list:
     for owner, name, policy in _user_registrations:
         items.append(_user_item(owner, name, policy, amp))
     return items
+
+
+def _dataloader_items() -> list:
+    """Patch items that run a DataLoader's fetch (dataset and collate) with casting off.
+
+    ``torch.autocast``'s state stays with the training thread, so a dataset's
+    own ``matmul`` or ``conv`` (a transform) keeps FP32; amp_patch's patches
+    are process-wide and a forked worker inherits them, so without this the
+    data would be computed in the half dtype. Both fetchers run in the thread
+    that loads (the training thread when ``num_workers=0``, each worker's main
+    thread otherwise), which is where ``disable_casts`` applies.
+    """
+    fetch = importlib.import_module("torch.utils.data._utils.fetch")
+    items = []
+    for name in ("_MapDatasetFetcher", "_IterableDatasetFetcher"):
+        cls = getattr(fetch, name, None)
+        if cls is None or not callable(getattr(cls, "fetch", None)):
+            log.debug("amp_patch: torch.utils.data._utils.fetch.%s.fetch not found; its loads are cast", name)
+            continue
+        items.append((cls, "fetch", _uncast))
+    return items
+
+
+def _uncast(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def fetch(*args, **kwargs):
+        push_disabled()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            pop_disabled()
+
+    return fetch
 
 
 def _user_item(owner: Any, name: str, policy: str, amp: AmpState) -> tuple:
@@ -217,7 +252,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         if fresh:
             amp.patcher.apply([(torch.Tensor, "backward", scaling.make_backward_patch(amp))])
             if props.patch_torch_functions:
-                amp.patcher.apply(_patch_items(amp))
+                amp.patcher.apply(_patch_items(amp) + _dataloader_items())
                 if amp.ledger is not None:
                     amp.ledger.start(amp)
             if options.get("find_overflow"):

@@ -6,12 +6,15 @@ import torch
 import torch._appdirs  # noqa: F401  torch.compile imports these two lazily, which
 import torch._thread_safe_fork  # noqa: F401  adds them to vars(torch) mid-test.
 import torch.nn.functional as F
+from torch.utils.data._utils import fetch
 
 import amp_patch
 from amp_patch.oplists import NAMESPACES
 from helpers import ENV, fast_path
 
 SNAPSHOT = {name: obj for name, obj in NAMESPACES.items()}
+# the DataLoader's fetchers, whose fetch amp_patch runs with casting off
+SNAPSHOT.update({f"{fetch.__name__}.{cls.__name__}": cls for cls in (fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher)})
 
 
 def _vars(obj):

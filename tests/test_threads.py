@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
+from amp_patch import wrappers
 
 HALVES = [torch.float16, torch.bfloat16]
 IDS = ["fp16", "bf16"]
@@ -279,34 +280,64 @@ def test_dataloader_with_workers_and_pin_memory_under_o1(o1, workers):
 
 
 class _Projected(torch.utils.data.Dataset):
-    """A transform that calls a patched op, with and without ``disable_casts``."""
+    """A transform that calls patched ops (a matmul, and a conv in its collate)."""
 
-    def __init__(self, guarded):
-        self.guarded = guarded
+    def __init__(self, fail_at=None):
         self.proj = torch.randn(6, 6, generator=torch.Generator().manual_seed(5))
+        self.fail_at = fail_at
 
     def __len__(self):
         return 8
 
     def __getitem__(self, i):
-        x = torch.full((6,), float(i))
-        if self.guarded:
-            with amp_patch.disable_casts():
-                return torch.matmul(self.proj, x)
-        return torch.matmul(self.proj, x)
+        if i == self.fail_at:
+            raise ValueError(f"bad sample {i}")
+        return torch.matmul(self.proj, torch.full((6,), float(i)))
 
 
-@pytest.mark.parametrize("guarded", [False, True], ids=["plain", "disable_casts"])
-def test_forked_workers_see_the_policy_of_the_process_that_forked_them(o1, guarded):
-    # Patches are process-wide, so a transform in a forked worker casts as it
-    # would in the main process; disable_casts() in the transform keeps FP32.
-    ds = _Projected(guarded)
+def _blur_collate(items):
+    batch = torch.stack(items).unsqueeze(1)
+    return F.conv1d(batch, torch.full((1, 1, 3), 1 / 3), padding=1).squeeze(1)
+
+
+class _ProjectedStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        ds = _Projected()
+        return (ds[i] for i in range(len(ds)))
+
+
+LOADERS = {
+    "in-process": dict(),
+    "fork-workers": dict(num_workers=2, multiprocessing_context="fork"),
+    "spawn-worker": dict(num_workers=1, multiprocessing_context="spawn"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["map", "iterable"])
+@pytest.mark.parametrize("kind", list(LOADERS))
+def test_dataset_and_collate_code_under_a_dataloader_runs_uncast(o1, kind, stream):
+    # As under torch.autocast, whose state stays with the training thread: a
+    # DataLoader computes its samples in their own dtypes, in the training
+    # process (num_workers=0) and in forked or spawned workers alike.
+    ds = _ProjectedStream() if stream else _Projected()
+    def load():
+        return list(torch.utils.data.DataLoader(ds, batch_size=4, collate_fn=_blur_collate, **LOADERS[kind]))
+
+    plain = load()
     o1(torch.bfloat16)
-    here = list(torch.utils.data.DataLoader(ds, batch_size=4))
-    there = list(torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork"))
-    want = torch.float32 if guarded else torch.bfloat16
-    assert [b.dtype for b in there] == [want, want]
-    assert all(torch.equal(a, b) for a, b in zip(here, there))
-    with amp_patch.disable_casts():
-        exact = torch.stack([ds.proj.to(want) @ torch.full((6,), float(i)).to(want) for i in range(8)])
-    assert torch.equal(torch.cat(there), exact)
+    loaded = load()
+    assert len(loaded) == len(plain) >= 2  # (each worker replays an iterable dataset)
+    assert {b.dtype for b in loaded} == {torch.float32}
+    assert all(torch.equal(a, b) for a, b in zip(plain, loaded))
+    # The training thread still casts, during and after loading.
+    assert not wrappers.disabled
+    proj = _Projected().proj
+    assert torch.matmul(proj, proj).dtype == torch.bfloat16
+
+
+def test_a_failing_sample_leaves_casting_on_in_the_training_thread(o1):
+    o1(torch.bfloat16)
+    with pytest.raises(ValueError, match="bad sample 5"):
+        list(torch.utils.data.DataLoader(_Projected(fail_at=5), batch_size=4))
+    assert not wrappers.disabled
+    assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16
