@@ -25,7 +25,7 @@ class Row:
     policy: str
     source: str  # file:line of the entry in force
     origin: str  # "default" or "override"
-    note: str = ""  # e.g. "missing from torch 2.x" or "banned under float16"
+    note: str = ""  # e.g. "missing from torch 2.x", "banned under float16", "in-place form of exp"
     missing: bool = False
 
 
@@ -57,7 +57,7 @@ def effective(lists: Sequence[str] = (), half_dtype=None, device: Optional[str] 
         if not e.applies(dname, device):
             continue
         missing = not oplists.op_exists(e.namespace, e.name)
-        policy, note = e.policy, ""
+        policy, note = e.policy, f"in-place form of {e.derived_from}" if e.derived_from else ""
         if policy == "banned" and dname == "bfloat16":
             policy, note = "float", "banned under float16"
         if missing:

@@ -14,6 +14,12 @@ An entry is a name or a mapping with ``name`` and optional ``when``
 (``dtype``: float16|bfloat16, ``device``: cpu|cuda), ``optional`` (the op may
 be absent from this torch version), ``why`` and, for ``banned``, ``fix``.
 
+An in-place form that no list names (``exp_`` for ``exp``, ``__ipow__`` for
+``__pow__``) follows its out-of-place op, as in apex.amp: under ``float`` it
+refuses a half receiver, under ``half`` and ``promote`` it casts its other
+inputs to the receiver's dtype. Listing the in-place name, or removing it in
+an override, takes it out of that rule.
+
 Everything is validated before anything is patched. Every problem names the
 file, line, key and entry, and the nearest valid name.
 """
@@ -69,6 +75,7 @@ class Entry:
     why: str = ""
     fix: str = ""
     source: str = ""
+    derived_from: str = ""  # the out-of-place op an implied in-place entry follows
 
     @property
     def key(self) -> Tuple[str, str]:
@@ -353,10 +360,53 @@ class OpTable:
         return [e for e in self.entries if not op_exists(e.namespace, e.name)]
 
 
+def inplace_name(name: str) -> Optional[str]:
+    """The in-place form of op ``name`` by torch's naming, or None.
+
+    ``exp`` -> ``exp_``, ``__pow__`` -> ``__ipow__``; reflected (``__rpow__``)
+    and in-place names have none.
+    """
+    if name.startswith("__") and name.endswith("__"):
+        core = name[2:-2]
+        return None if core.startswith(("r", "i")) else f"__i{core}__"
+    if name.startswith("_") or name.endswith("_"):
+        return None
+    return name + "_"
+
+
+#: policies whose in-place forms are implied (sequence ops have none; a banned
+#: op's in-place form would be as unsafe, and none exists)
+_INPLACE_POLICIES = ("half", "float", "promote")
+
+
+def _implied_inplace(entries: Sequence[Entry], removed: set) -> List[Entry]:
+    """Entries for the in-place forms of listed ops that no list names.
+
+    The wrapper of an in-place op keeps its receiver's dtype, so the policy
+    copied from the out-of-place op only decides what happens to a half
+    receiver under ``float`` (refused: it cannot become FP32 in place).
+    """
+    listed = {e.key for e in entries}
+    out = []
+    for e in entries:
+        if e.policy not in _INPLACE_POLICIES:
+            continue
+        name = inplace_name(e.name)
+        if name is None or (e.namespace, name) in listed or (e.namespace, name) in removed:
+            continue
+        if not op_exists(e.namespace, name):
+            continue
+        out.append(dataclasses.replace(
+            e, name=name, optional=False, why=f"in-place form of {e.name}", derived_from=e.name,
+        ))
+    return out
+
+
 def collect_problems(sources: Sequence[ListSource], include_defaults: bool = True) -> Tuple[List[str], OpTable]:
     """Read defaults then each override; return every problem and the merged table."""
     problems: List[str] = []
     entries: List[Entry] = []
+    removed: set = set()
     if include_defaults:
         for fname, text in default_files():
             r = _read_text(text, f"lists/{fname}", allow_remove=False)
@@ -375,7 +425,8 @@ def collect_problems(sources: Sequence[ListSource], include_defaults: bool = Tru
         # An override moves each op it names out of every other list.
         touched = {e.key for e in r.entries} | {e.key for e in r.removed}
         entries = [e for e in entries if e.key not in touched] + r.entries
-    return problems, OpTable(tuple(entries))
+        removed = (removed - {e.key for e in r.entries}) | {e.key for e in r.removed}
+    return problems, OpTable(tuple(entries) + tuple(_implied_inplace(entries, removed)))
 
 
 def load(lists: Any = None) -> OpTable:

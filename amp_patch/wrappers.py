@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from threading import get_ident
 from types import MethodType
 from typing import Any, Callable, Optional
@@ -261,8 +262,9 @@ def make_wrapper(
         return kind(original, _banned(qualname, half, fix, live))
     name = qualname.rpartition(".")[2]
     plan = make_planner(policy, half)
-    if method and is_inplace(name):
-        fn = _inplace(policy, qualname, plan, live)
+    if is_inplace(name):
+        # ``x.exp_()`` and ``torch.exp_(x)`` alike: the receiver is args[0]
+        fn = _inplace(policy, qualname, live, ledger)
     elif ledger is not None:
         fn = _instrumented(qualname, policy, plan, cache, ledger, live)
     else:
@@ -352,25 +354,64 @@ def _general(plan, cache, live):
     return wrapper
 
 
-def _inplace(policy, qualname, plan, live):
-    """In-place Tensor ops: the receiver keeps its dtype, the others follow it."""
+def _inplace(policy, qualname, live, ledger=None):
+    """In-place ops: the receiver keeps its dtype, the others follow it.
+
+    The receiver is ``args[0]`` for a Tensor method (see MethodWrapper) and
+    for a function such as ``torch.exp_``. Under ``float`` a half receiver is
+    refused, as apex.amp refused it: the op cannot make it FP32 in place, and
+    running it in half would drop the precision its policy asks for.
+    """
+    record = ledger.record if ledger is not None else None
+
     def wrapper(wrapped, instance, args, kwargs):
         if (disabled and get_ident() in disabled) or not live.on or not args or not isinstance(args[0], Tensor):
             return wrapped(*args, **kwargs)
         receiver, rest = args[0], args[1:]
         to = receiver.dtype
-        if policy == "float" and to in LOW:
+        if policy == "float" and to in LOW and not _called_from_torch():
             raise CastError(
                 f"{qualname} runs in float32 under amp_patch, but it is in-place on a "
                 f"{to} tensor, whose dtype it cannot change. Call it on a float32 tensor "
                 f"(x = x.float()), use the out-of-place form, or wrap the call in "
                 f"amp_patch.disable_casts()."
             )
-        if to in CASTABLE and (needs_cast(rest, to) or (kwargs and needs_cast(kwargs, to))):
+        if not (to in CASTABLE and (needs_cast(rest, to) or (kwargs and needs_cast(kwargs, to)))):
+            out = wrapped(*args, **kwargs)
+            if record is not None:
+                record(qualname, policy, out, 0, 0)
+            return out
+        if record is None:
             return wrapped(receiver, *cast(rest, to, None), **cast(kwargs, to, None))
-        return wrapped(*args, **kwargs)
+        counter = [0, 0]
+
+        def count(nbytes):
+            counter[0] += 1
+            counter[1] += nbytes
+
+        out = wrapped(receiver, *cast(rest, to, None, count), **cast(kwargs, to, None, count))
+        record(qualname, policy, out, counter[0], counter[1])
+        return out
 
     return wrapper
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PASS_THROUGH = (os.path.dirname(os.path.abspath(wrapt.__file__)) + os.sep, os.path.abspath(__file__))
+
+
+def _called_from_torch() -> bool:
+    """True when torch's own code made the call being refused.
+
+    torch runs in-place ops on half tensors on purpose (``nn.init``'s
+    truncated normal, fused losses that exponentiate half logits in place);
+    those run as they do under ``torch.autocast``, which never touches
+    in-place ops. Only reached on the path that would raise.
+    """
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_PASS_THROUGH):
+        f = f.f_back
+    return f is not None and f.f_code.co_filename.startswith(_TORCH_DIR)
 
 
 def _banned(qualname, half, fix, live):

@@ -12,8 +12,8 @@ for the solvers, symmetric positive definite ones for Cholesky.
 A Tensor method takes the sample of its function form with the receiver
 first: ``torch.Tensor.X`` uses ``SAMPLES["torch.Tensor.X"]`` if there is one,
 else the first of ``torch.X``, ``torch.nn.functional.X``, ``torch.linalg.X``,
-``torch.special.X``, ``torch.fft.X``; an in-place ``X_`` falls back to ``X``
-the same way.
+``torch.special.X``, ``torch.fft.X``; an in-place ``X_`` (or ``__iX__``)
+falls back to ``X`` (``__X__``) the same way, in any namespace.
 
 ``METHOD_FORM_EXCLUDED`` names the function ops whose same-named Tensor method
 is a different op (another signature or result), so it is not their method form.
@@ -104,15 +104,17 @@ _FUNCTION_NAMESPACES = ("torch.Tensor", "torch", "torch.nn.functional", "torch.l
 
 
 def lookup(qualname: str) -> Optional[Factory]:
-    """The factory for ``qualname`` after the Tensor-method fallbacks, or None."""
+    """The factory for ``qualname`` after the in-place and Tensor-method fallbacks, or None."""
     if qualname in SAMPLES:
         return SAMPLES[qualname]
     ns, _, name = qualname.rpartition(".")
-    if ns != "torch.Tensor":
-        return None
     names = [name]
     if name.endswith("_") and not name.endswith("__"):
         names.append(name[:-1])
+    elif name.startswith("__i") and name.endswith("__"):
+        names.append(f"__{name[3:]}")
+    if ns != "torch.Tensor":
+        return next((SAMPLES[f"{ns}.{n}"] for n in names if f"{ns}.{n}" in SAMPLES), None)
     candidates = [f"{ns}.{n}" for n in names for ns in _FUNCTION_NAMESPACES]
     for c in candidates:
         if c in SAMPLES:

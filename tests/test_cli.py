@@ -368,3 +368,10 @@ def test_torchrun_runs_a_ddp_script_under_the_launcher(tmp_path):
     for r in found:
         assert set(r["linear_dtypes"].values()) == {"torch.bfloat16"}
         assert r["ranks_identical"]
+
+
+def test_lists_names_the_op_an_inplace_form_follows(capsys):
+    assert cli.main(["lists", "--half-dtype", "float16", "--device", "cuda"]) == 0
+    rows = {tuple(line.split()[:2]): line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")}
+    exp = oplists.load().resolve(torch.float16, "cuda")[("torch.Tensor", "exp")]
+    assert rows[("torch.Tensor", "exp_")].split()[2:] == ["float", "default", exp.source, "in-place", "form", "of", "exp"]

@@ -109,11 +109,20 @@ def test_random_op_list_overrides(case, half):
                 else:  # removed and not placed again: left alone
                     assert (ns, n) not in amp.table
                     assert getattr(owner, n) is ORIGINAL[(ns, n)]
-        # Every op the override did not name keeps its default policy.
+        # Every op the override did not name keeps its default policy; an
+        # implied in-place form follows its op (exp_ follows exp) instead.
         named = {(ns, n) for ns, body in doc.items() for names in body.values() for n in names}
         default = DEFAULT_TABLE[half]
         for key, entry in default.items():
-            if key not in named:
+            if key in named:
+                continue
+            base = (key[0], entry.derived_from)
+            if entry.derived_from and base in named:
+                placed_as = next((pol for pol, names in doc[key[0]].items() if entry.derived_from in names), None)
+                want = placed_as if placed_as in ("half", "float", "promote") else None
+                got = amp.table[key].policy if key in amp.table else None
+                assert got == want, (key, placed_as)
+            else:
                 assert amp.table[key].policy == entry.policy, key
     finally:
         amp_patch.deinitialize()

@@ -173,3 +173,25 @@ def test_optional_missing_op_is_logged_not_silent(caplog):
     assert [e.name for e in table.missing()] == ["no_such_op_in_this_torch"]
     assert "no_such_op_in_this_torch" in caplog.text
     assert ("torch", "no_such_op_in_this_torch") not in table.resolve(torch.float16)
+
+
+def test_inplace_forms_follow_their_op_unless_listed_or_removed():
+    table = load()
+    fp16, bf16 = table.resolve(torch.float16, "cuda"), table.resolve(torch.bfloat16, "cpu")
+    exp, exp_ = fp16[("torch.Tensor", "exp")], fp16[("torch.Tensor", "exp_")]
+    assert (exp_.policy, exp_.when, exp_.source, exp_.derived_from) == ("float", exp.when, exp.source, "exp")
+    assert fp16[("torch.Tensor", "__ipow__")].derived_from == "__pow__"
+    assert fp16[("torch", "exp_")].policy == "float"
+    assert bf16[("torch.Tensor", "addmm_")].policy == "half"
+    assert ("torch.Tensor", "exp_") not in bf16  # exp itself is FP32 only under FP16
+    # listed in-place forms keep their own entry; reflected and in-place names have none
+    assert fp16[("torch.Tensor", "__iadd__")].derived_from == ""
+    assert not [e for e in table.entries if e.derived_from.startswith(("__r", "__i")) or e.derived_from.endswith("_")
+                   and not e.derived_from.endswith("__")]
+    moved = load({"torch.Tensor": {"half": ["exp"], "remove": ["log_"]}}).resolve(torch.float16)
+    assert moved[("torch.Tensor", "exp_")].policy == "half"
+    assert ("torch.Tensor", "log_") not in moved and moved[("torch.Tensor", "log")].policy == "float"
+    gone = load({"torch.Tensor": {"remove": ["exp"]}}).resolve(torch.float16)
+    assert ("torch.Tensor", "exp") not in gone and ("torch.Tensor", "exp_") not in gone
+    relisted = load([{"torch.Tensor": {"remove": ["log_"]}}, {"torch.Tensor": {"promote": ["log_"]}}])
+    assert relisted.resolve(torch.float16)[("torch.Tensor", "log_")].policy == "promote"

@@ -140,7 +140,7 @@ def short(form: str) -> str:
 
 def is_inplace(form: str) -> bool:
     ns, name = split(form)
-    return ns == "torch.Tensor" and (name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")))
+    return name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
 
 
 def exists(form: str) -> bool:
@@ -485,6 +485,7 @@ ATEN_NAMES: Dict[str, Optional[str]] = {
     "torch.Tensor.__isub__": "sub_",
     "torch.Tensor.__imul__": "mul_",
     "torch.Tensor.__itruediv__": "div_",
+    "torch.Tensor.__ipow__": "pow_",
     "torch.Tensor.det": "linalg_det",
     "torch.Tensor.slogdet": "linalg_slogdet",
     "torch.Tensor.matrix_exp": "linalg_matrix_exp",

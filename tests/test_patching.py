@@ -1,6 +1,7 @@
 """The patching engine: initialize/deinitialize, wrappers, cache, switches."""
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -175,6 +176,82 @@ def test_inplace_float_op_on_half_tensor_raises(o1):
     f = torch.zeros(2)
     f.exp_()
     assert torch.equal(f, torch.ones(2))
+
+
+INPLACE_OF_FLOAT_OPS = [
+    ("torch.Tensor.exp_", lambda h: h.exp_()),
+    ("torch.exp_", lambda h: torch.exp_(h)),
+    ("torch.Tensor.pow_", lambda h: h.pow_(2)),
+    ("torch.Tensor.__ipow__", lambda h: h.__ipow__(2)),
+    ("torch.Tensor.log_", lambda h: h.log_()),
+    ("torch.Tensor.cumsum_", lambda h: h.cumsum_(0)),
+]
+
+
+@pytest.mark.parametrize("name,call", INPLACE_OF_FLOAT_OPS, ids=[n.replace("torch.", "") for n, _ in INPLACE_OF_FLOAT_OPS])
+def test_default_lists_refuse_inplace_forms_of_float_ops_on_a_half_receiver(name, call, o1):
+    """Under FP16, ``exp`` runs in FP32, so ``exp_`` on an FP16 tensor raises (apex.amp's rule)
+    and leaves the tensor as it was; on an FP32 tensor it runs as the original does."""
+    o1(torch.float16)
+    h = torch.rand(4, dtype=torch.float16) + 0.5
+    before = h.clone()
+    with pytest.raises(amp_patch.CastError, match=re.escape(name) + " runs in float32 .* in-place on a torch.float16") as info:
+        call(h)
+    assert "disable_casts" in str(info.value) and "out-of-place" in str(info.value)
+    assert torch.equal(h, before)
+    f, ref = before.float(), before.float()
+    with amp_patch.disable_casts():
+        call(ref)
+    assert call(f) is f and f.dtype == torch.float32 and torch.equal(f, ref)
+    with amp_patch.disable_casts():  # the documented way out runs it in half
+        assert call(h).dtype == torch.float16
+
+
+def test_inplace_forms_of_float_ops_run_in_place_under_bf16(o1):
+    """exp is not FP32 under BF16 (CPU autocast leaves it to the input), so neither is exp_."""
+    o1(torch.bfloat16)
+    h = torch.rand(4, dtype=torch.bfloat16)
+    want = h.clone()
+    with amp_patch.disable_casts():
+        want.exp_()
+    assert h.exp_() is h and torch.equal(h, want)
+    assert torch.Tensor.exp_ is vars(torch._C.TensorBase)["exp_"]  # not patched at all
+
+
+def test_inplace_forms_of_half_ops_cast_their_other_inputs_to_the_receiver(o1):
+    o1(torch.float16)
+    acc = torch.zeros(2, 3)
+    a, b = torch.rand(2, 4, dtype=torch.float16), torch.rand(4, 3)
+    assert acc.addmm_(a, b) is acc and acc.dtype == torch.float32
+    assert torch.equal(acc, torch.zeros(2, 3).addmm_(a.float(), b))
+    hacc = torch.zeros(2, 3, dtype=torch.float16)
+    hacc.addmm_(a, b)
+    assert hacc.dtype == torch.float16 and torch.equal(hacc, torch.zeros(2, 3, dtype=torch.float16).addmm_(a, b.half()))
+
+
+def test_inplace_forms_follow_overrides_of_their_op(o1):
+    """Moving exp to half takes exp_ along; an explicit entry or a removal of exp_ wins."""
+    o1(torch.float16, lists={"torch.Tensor": {"half": ["exp"], "remove": ["log_"], "float": ["sqrt_"]}})
+    h = torch.rand(3, dtype=torch.float16)
+    assert h.exp_().dtype == torch.float16
+    assert torch.Tensor.log_ is vars(torch._C.TensorBase)["log_"]
+    with pytest.raises(amp_patch.CastError, match="sqrt_"):
+        h.sqrt_()
+
+
+def test_torch_internal_inplace_ops_on_half_tensors_run_as_under_autocast(o1):
+    """torch's own code (nn.init's truncated normal) uses pow_/log_/erfinv_ on tensors of
+    any dtype; those calls are not user code and run unchanged."""
+    def init():
+        w = torch.empty(64, dtype=torch.float16)
+        # a narrow window takes its rejection sampler, which runs pow_ and log_ on w's dtype
+        torch.nn.init.trunc_normal_(w, a=-0.3, b=0.3, generator=torch.Generator().manual_seed(0))
+        return w
+
+    want = init()
+    o1(torch.float16)
+    got = init()
+    assert got.dtype == torch.float16 and torch.equal(got, want)
 
 
 def test_banned_op_raises_not_implemented_under_fp16_and_runs_fp32_under_bf16():
