@@ -96,6 +96,18 @@ def test_ledger_counts_calls_dtypes_casts_and_bytes(amp_run):
     assert mse["first_call_site"] == f"{HERE}:{_line('# site: loss')}"
 
 
+def test_inplace_ops_are_recorded_with_the_receiver_dtype_and_their_casts(amp_run):
+    acc = torch.zeros(2, 3)
+    a, b = torch.rand(2, 4, dtype=torch.bfloat16), torch.rand(4, 3)
+    acc.addmm_(a, b)  # site: addmm_
+    acc.addmm_(a.float(), b)
+    ops = amp_patch.report().to_dict()["ops"]
+    rec = ops["torch.Tensor.addmm_"]
+    assert (rec["policy"], rec["calls"], rec["dtypes"]) == ("half", 2, {"float32": 2})
+    assert (rec["casts"], rec["bytes_cast"]) == (1, a.numel() * 2)  # the BF16 operand, once
+    assert rec["first_call_site"] == f"{HERE}:{_line('# site: addmm_')}"
+
+
 def test_unlisted_ops_are_fp32_ops_on_eligible_inputs_that_no_list_covers(amp_run):
     model, opt = amp_run
     x, y = _data()
