@@ -44,8 +44,17 @@ class CastCache:
         # Indexed by torch.is_grad_enabled(). Plain dict operations are atomic
         # under the GIL; two threads racing on one entry both store a valid copy.
         self._maps = ({}, {})
-        self.hits = 0
-        self.misses = 0
+        # [hits, misses]; a list, so the C fast path (_fastpath.c), which
+        # checks hits itself, counts them in the same place.
+        self.counts = [0, 0]
+
+    @property
+    def hits(self) -> int:
+        return self.counts[0]
+
+    @property
+    def misses(self) -> int:
+        return self.counts[1]
 
     def __len__(self) -> int:
         return len(self._maps[0]) + len(self._maps[1])
@@ -65,7 +74,7 @@ class CastCache:
             entry is not None and entry[0] is t and entry[1] is to and entry[2] == t._version
             and entry[3] == t.data_ptr() and t.requires_grad
         ):
-            self.hits += 1
+            self.counts[0] += 1
             return entry[4]
         out = CONVERT[to](t)
         # Only leaves that require grad are cached, as autocast does: their
@@ -74,7 +83,7 @@ class CastCache:
         # Tensor subclasses are not cached either: the FakeTensors and
         # FunctionalTensors torch.compile traces with have no storage to key on.
         if t.requires_grad and t.is_leaf and type(t) in _CACHEABLE:
-            self.misses += 1
+            self.counts[1] += 1
             entries[id(t)] = (t, to, t._version, t.data_ptr(), out)
         return out
 

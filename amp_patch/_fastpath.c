@@ -14,8 +14,10 @@
        diagnostics watching every call, the session live, and no
        list/tuple/dict argument;
      * no tensor argument in a dtype that must be cast -> the original op;
-     * some tensor argument to cast -> each such tensor converted (a weight
-       through the Python weight-cast cache), then the original op.
+     * some tensor argument to cast -> each such tensor converted, then the
+       original op. A weight is looked up in the weight-cast cache here
+       (cache_hit, the hit branch of _cast.CastCache.cast); a miss goes to
+       the Python cache, which converts and stores.
 
    Every other call goes to wrapt's own call and so to the Python wrapper
    (wrappers.py), which decides exactly as before. The layout of wrapt's
@@ -34,6 +36,8 @@ typedef struct {
     PyObject *to;              /* the dtype cast to */
     PyObject *convert;         /* TensorBase.bfloat16 / .half / .float */
     PyObject *cache_cast;      /* CastCache.cast, or None: no cache */
+    PyObject *cache_maps;      /* CastCache._maps: ({id: entry} without grad, with grad) */
+    PyObject *cache_counts;    /* CastCache.counts: [hits, misses] */
     PyObject *live;            /* the session's Live flag object (.on) */
     int promote;               /* 1: cast only on a mix of castable dtypes */
 } Fast;
@@ -46,7 +50,9 @@ static int wrapt_heap;              /* wrapt >= 2.2 builds heap types, which vis
 static PyTypeObject *tensor_type;   /* torch.Tensor */
 static PyObject *disabled;          /* wrappers.disabled: {thread: depth} */
 static PyObject *divert;            /* wrappers.divert: non-empty = Python only */
-static PyObject *str_dtype, *str_on, *str_requires_grad, *str_staticmethod;
+static PyObject *grad_enabled;      /* torch._C.is_grad_enabled */
+static PyObject *one;               /* the int 1 */
+static PyObject *str_dtype, *str_on, *str_requires_grad, *str_staticmethod, *str_version, *str_data_ptr;
 
 /* a vectorcall type must not let Python code reassign its __call__ */
 #ifdef Py_TPFLAGS_IMMUTABLETYPE
@@ -122,6 +128,59 @@ plan(Fast *f, PyObject *const *args, Py_ssize_t n)
     return cast;
 }
 
+/* 1 when obj.name() (or obj.name, call=0) equals value, 0 when not, -1 on error */
+static int
+equals(PyObject *obj, PyObject *name, int call, PyObject *value)
+{
+    PyObject *now = call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+    int r;
+    if (now == NULL)
+        return -1;
+    r = PyObject_RichCompareBool(now, value, Py_EQ);
+    Py_DECREF(now);
+    return r;
+}
+
+/* The cached copy of weight `a` if CastCache.cast would return it: the entry
+   for id(a) under this grad mode names a, the same target dtype, a's version
+   counter and its data pointer (the caller checked requires_grad). A new
+   reference; NULL and no exception on a miss; NULL and an exception on error. */
+static PyObject *
+cache_hit(Fast *f, PyObject *a)
+{
+    PyObject *grad, *key, *entry, *copy = NULL, *hits;
+    int same;
+
+    grad = PyObject_CallNoArgs(grad_enabled);
+    if (grad == NULL)
+        return NULL;
+    key = PyLong_FromVoidPtr(a);
+    if (key == NULL) {
+        Py_DECREF(grad);
+        return NULL;
+    }
+    entry = PyDict_GetItemWithError(PyTuple_GET_ITEM(f->cache_maps, grad == Py_True), key);
+    Py_DECREF(grad);
+    Py_DECREF(key);
+    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 ||
+        PyTuple_GET_ITEM(entry, 0) != a || PyTuple_GET_ITEM(entry, 1) != f->to)
+        return NULL;
+    Py_INCREF(entry); /* the reads below may run Python code that drops it */
+    same = equals(a, str_version, 0, PyTuple_GET_ITEM(entry, 2));
+    if (same > 0)
+        same = equals(a, str_data_ptr, 1, PyTuple_GET_ITEM(entry, 3));
+    if (same > 0) {
+        hits = PyNumber_Add(PyList_GET_ITEM(f->cache_counts, 0), one);
+        if (hits != NULL) {
+            PyList_SetItem(f->cache_counts, 0, hits); /* steals hits */
+            copy = PyTuple_GET_ITEM(entry, 4);
+            Py_INCREF(copy);
+        }
+    }
+    Py_DECREF(entry);
+    return copy;
+}
+
 /* One castable tensor converted as wrappers.cast_args converts it: a tensor
    that requires grad may be a weight, served by the cache; a new reference. */
 static PyObject *
@@ -133,6 +192,9 @@ cast_one(Fast *f, PyObject *a)
             return NULL;
         if (grad) {
             PyObject *cache_args[2] = {a, f->to};
+            PyObject *copy = cache_hit(f, a);
+            if (copy != NULL || PyErr_Occurred())
+                return copy;
             return PyObject_Vectorcall(f->cache_cast, cache_args, 2, NULL);
         }
     }
@@ -236,14 +298,15 @@ fast_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwname
     return general(self, args, n, kwnames);
 }
 
-/* (wrapped, wrapper, castable, to, convert, cache_cast, live, promote): the wrapt wrapper
-   is set up as wrappers.OpWrapper sets it up, with the "staticmethod"
-   binding. */
+/* (wrapped, wrapper, castable, to, convert, cache, live, promote): the wrapt
+   wrapper is set up as wrappers.OpWrapper sets it up, with the "staticmethod"
+   binding; cache is a _cast.CastCache, or None for no cache. */
 static int
 fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *wrapped, *wrapper, *castable, *to, *convert, *cache_cast, *live, *base_args;
-    int promote, r;
+    PyObject *wrapped, *wrapper, *castable, *to, *convert, *cache, *live, *base_args;
+    PyObject *cache_cast = Py_None, *cache_maps = Py_None, *cache_counts = Py_None;
+    int promote, result = -1;
     Fast *f = FAST(self);
 
     if (kwargs && PyDict_GET_SIZE(kwargs)) {
@@ -251,26 +314,48 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
         return -1;
     }
     if (!PyArg_ParseTuple(args, "OOO!OOOOp", &wrapped, &wrapper, &PyTuple_Type, &castable, &to,
-                          &convert, &cache_cast, &live, &promote))
+                          &convert, &cache, &live, &promote))
         return -1;
+    if (cache != Py_None) {
+        cache_cast = PyObject_GetAttrString(cache, "cast");
+        cache_maps = PyObject_GetAttrString(cache, "_maps");
+        cache_counts = PyObject_GetAttrString(cache, "counts");
+        if (!cache_cast || !cache_maps || !cache_counts)
+            goto finally;
+        if (!(PyTuple_CheckExact(cache_maps) && PyTuple_GET_SIZE(cache_maps) == 2 &&
+              PyDict_CheckExact(PyTuple_GET_ITEM(cache_maps, 0)) && PyDict_CheckExact(PyTuple_GET_ITEM(cache_maps, 1)) &&
+              PyList_CheckExact(cache_counts) && PyList_GET_SIZE(cache_counts) == 2)) {
+            PyErr_SetString(PyExc_TypeError, "cache is not an amp_patch._cast.CastCache");
+            goto finally;
+        }
+    }
     base_args = PyTuple_Pack(5, wrapped, Py_None, wrapper, Py_None, str_staticmethod);
     if (base_args == NULL)
-        return -1;
-    r = base_init(self, base_args, NULL);
+        goto finally;
+    result = base_init(self, base_args, NULL);
     Py_DECREF(base_args);
-    if (r < 0)
-        return -1;
+    if (result < 0)
+        goto finally;
 #define SET(field, value) do { Py_INCREF(value); Py_XSETREF(f->field, value); } while (0)
     SET(original, wrapped);
     SET(castable, castable);
     SET(to, to);
     SET(convert, convert);
     SET(cache_cast, cache_cast);
+    SET(cache_maps, cache_maps);
+    SET(cache_counts, cache_counts);
     SET(live, live);
 #undef SET
     f->promote = promote;
     f->vectorcall = fast_call;
-    return 0;
+finally:
+    /* what getattr returned; the fields hold their own references */
+    if (cache != Py_None) {
+        Py_XDECREF(cache_cast);
+        Py_XDECREF(cache_maps);
+        Py_XDECREF(cache_counts);
+    }
+    return result;
 }
 
 static int
@@ -284,6 +369,8 @@ fast_traverse(PyObject *self, visitproc visit, void *arg)
     Py_VISIT(f->to);
     Py_VISIT(f->convert);
     Py_VISIT(f->cache_cast);
+    Py_VISIT(f->cache_maps);
+    Py_VISIT(f->cache_counts);
     Py_VISIT(f->live);
     return wrapt_type->tp_traverse(self, visit, arg);
 }
@@ -300,6 +387,8 @@ fast_clear(PyObject *self)
     Py_CLEAR(f->to);
     Py_CLEAR(f->convert);
     Py_CLEAR(f->cache_cast);
+    Py_CLEAR(f->cache_maps);
+    Py_CLEAR(f->cache_counts);
     Py_CLEAR(f->live);
     return wrapt_type->tp_clear(self);
 }
@@ -404,7 +493,13 @@ PyInit__fastpath(void)
     str_on = PyUnicode_InternFromString("on");
     str_requires_grad = PyUnicode_InternFromString("requires_grad");
     str_staticmethod = PyUnicode_InternFromString("staticmethod");
-    if (!str_dtype || !str_on || !str_requires_grad || !str_staticmethod)
+    str_version = PyUnicode_InternFromString("_version");
+    str_data_ptr = PyUnicode_InternFromString("data_ptr");
+    one = PyLong_FromLong(1);
+    if (!str_dtype || !str_on || !str_requires_grad || !str_staticmethod || !str_version || !str_data_ptr || !one)
+        return NULL;
+    grad_enabled = import_attr("torch._C", "is_grad_enabled");
+    if (grad_enabled == NULL)
         return NULL;
     tensor_type = (PyTypeObject *)import_attr("torch", "Tensor");
     disabled = import_attr("amp_patch.wrappers", "disabled");

@@ -280,8 +280,8 @@ def make_wrapper(
             # any other call still reaches ``fn`` through wrapt.
             kind = fast.FastMethodWrapper if method else fast.FastOpWrapper
             castable = tuple(CASTABLE if promote else CASTABLE - {to})
-            cache_cast = cache.cast if cache is not None and to is not f32 else None
-            return kind(original, fn, castable, to, CONVERT[to], cache_cast, live, promote)
+            weights = cache if cache is not None and to is not f32 else None  # the cache keeps half copies
+            return kind(original, fn, castable, to, CONVERT[to], weights, live, promote)
     return kind(original, fn)
 
 

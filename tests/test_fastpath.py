@@ -157,6 +157,39 @@ def test_weights_are_cast_once_through_the_cache(o4):
     assert same(out.detach(), torch.mm(t["x"].to(bf16), w.detach().to(bf16)))
 
 
+def test_a_cached_weight_copy_is_served_only_while_it_is_valid(o4):
+    """The cache's hit check (in C on the fast path) refuses a copy whose weight
+    changed in place, got new storage, stopped requiring grad, or that was made
+    in the other grad mode; every result equals the op on the weight cast now."""
+    t = make()
+    w = torch.nn.Parameter(t["y"].clone())
+    cache = _state.current().cache
+
+    def check(expect_hit: bool) -> torch.Tensor:
+        hits = cache.hits
+        out = torch.mm(t["x"], w)
+        assert cache.hits - hits == int(expect_hit)
+        with amp_patch.disable_casts():
+            assert same(out.detach(), torch.mm(t["x"].to(bf16), w.detach().to(bf16)))
+        return out
+
+    check(False)
+    check(True)
+    with torch.no_grad():
+        w.add_(1.0)  # version counter
+    check(False)
+    w.data = torch.randn(4, 4)  # new storage, same version counter
+    check(False)
+    check(True)
+    with torch.no_grad():  # a copy made without grad has no history ...
+        check(False)
+        check(True)
+    assert check(True).grad_fn is not None  # ... and never serves a forward that needs it
+    w.requires_grad_(False)  # frozen: cast each time, not from the cache
+    check(False)
+    check(False)
+
+
 def test_gradients_flow_to_the_fp32_weight(o4):
     t = make()
     w = torch.nn.Parameter(t["y"].clone())
@@ -213,11 +246,13 @@ def test_no_reference_is_leaked_per_call(o4):
              lambda: t["x"].mm(t["y"])]
     for call in calls:
         call()
-    before = [sys.getrefcount(o) for o in (t["x"], t["y"], t["xb"], t["yb"], w, bf16, f32)]
+    cached = _state.current().cache._maps[True][id(w)][4]  # w's BF16 copy, returned by every cache hit
+    watched = (t["x"], t["y"], t["xb"], t["yb"], w, cached, bf16, f32)
+    before = [sys.getrefcount(o) for o in watched]
     for _ in range(1000):
         for call in calls:
             call()
-    after = [sys.getrefcount(o) for o in (t["x"], t["y"], t["xb"], t["yb"], w, bf16, f32)]
+    after = [sys.getrefcount(o) for o in watched]
     assert after == before
 
 
