@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import sys
 import time
+import warnings
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -25,9 +26,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_patch
 
+from . import diagnostics
 from .stats import dtype_name
 
 MODES = ("FP32", "O1", "O2")
+NO_NATIVE_BF16 = (
+    "This CPU has no BF16 instructions (AVX512_BF16, AMX or Arm BF16), so torch emulates BF16 math "
+    "on it, far slower than FP32."
+)
 FULL = dict(size=4096, batch_size=512, batches=50, epochs=5)
 
 
@@ -356,9 +362,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
          torch.randn(args.batch_size, args.size, generator=g).to(device))
         for _ in range(args.batches)
     ]
-    results = [run(mode, data, args, device) for mode in modes]
+    emulated = device.type == "cpu" and not diagnostics.cpu_has_native_bf16()
+    if emulated:
+        print(f"Note: {NO_NATIVE_BF16} Expect O1 and O2 to be slower than FP32 in this run.", flush=True)
+    with warnings.catch_warnings():
+        if emulated:  # said once above, not once per mode
+            warnings.filterwarnings("ignore", message=".*without native BF16", category=amp_patch.AmpWarning)
+        results = [run(mode, data, args, device) for mode in modes]
     print()
     print(format_table(results))
+    if emulated:
+        print(
+            f"\n{NO_NATIVE_BF16} The speedup needs a CPU that has them (a Xeon with AMX: "
+            f"benchmarks/RESULTS.md in the source tree) or a CUDA GPU (FP16); the dtypes and losses above "
+            f"are what any machine gives."
+        )
     if not args.full:
         print("\nThe tutorial's sizes: amp-patch demo --full")
     return 0

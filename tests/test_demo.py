@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import warnings
 import sys
 
 import pytest
@@ -147,3 +148,25 @@ def test_demo_through_python_dash_m():
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"\nFP32\s+[\d.]+ ms\s+1\.00x .*linear x3 float32", proc.stdout)
     assert re.search(r"\nO1\s+[\d.]+ ms\s+[\d.]+x .*linear x3 bfloat16", proc.stdout)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_demo_explains_a_cpu_without_bf16_instructions(native, capsys, monkeypatch):
+    """Where BF16 is emulated the demo says, once, why O1/O2 are slower, instead of
+    one warning per mode; where it is native it says nothing of the kind."""
+    monkeypatch.setattr(amp_patch.diagnostics, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(amp_patch.diagnostics, "_warned", set())  # warnings said earlier in the session
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert demo.main(SMALL + ["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    no_bf16 = [w for w in caught if "without native BF16" in str(w.message)]
+    assert no_bf16 == []
+    if native:
+        assert "no BF16 instructions" not in out
+    else:
+        lines = out.splitlines()
+        assert lines[1].startswith("Note: This CPU has no BF16 instructions (AVX512_BF16, AMX or Arm BF16)")
+        assert lines[1].endswith("Expect O1 and O2 to be slower than FP32 in this run.")
+        assert "The speedup needs a CPU that has them" in out
+        assert set(_rows(out)) == {"FP32", "O1", "O2"}
