@@ -250,7 +250,6 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         amp.models.extend(model_list)
         amp.optimizers.extend(opt_list)
         if fresh:
-            amp.patcher.apply([(torch.Tensor, "backward", scaling.make_backward_patch(amp))])
             if props.patch_torch_functions:
                 amp.patcher.apply(_patch_items(amp) + _dataloader_items())
                 if amp.ledger is not None:

@@ -588,8 +588,6 @@ def attach(amp: Any, optimizers: Sequence[torch.optim.Optimizer], fresh: bool) -
     run = _run(amp)
     if fresh:
         amp.undo_callbacks.append(_Forget(amp))
-        if any(s.active for s in run.scalers) or amp.props.master_weights:
-            amp.patcher.apply([(owner, name, _make_clip_patch(amp)) for owner, name in _clip_targets()])
     for opt in optimizers:
         h = handle(amp, opt)
         if h.patched:
@@ -597,7 +595,27 @@ def attach(amp: Any, optimizers: Sequence[torch.optim.Optimizer], fresh: bool) -
         _patch(h)
         run.handles.append(h)
         amp.undo_callbacks.append(_Unpatch(amp, h))
+    ensure_patches(amp)
+
+
+def ensure_patches(amp: Any) -> None:
+    """Patch the torch functions this run needs now and does not have yet.
+
+    ``Tensor.backward`` when a plain ``loss.backward()`` has work to do (loss
+    scaling, FP32 masters to feed) or casts are on (its cast cache is emptied
+    around every backward); ``clip_grad_norm_`` and its kin when gradients may
+    be scaled or live in masters. A run with neither (O0; O3 at a static
+    scale of 1) patches nothing on torch. Called again whenever that may
+    change: an optimizer attached, a loss scale loaded.
+    """
+    run = _run(amp)
     run.refresh_plain()
+    items = []
+    if run.plain or amp.props.patch_torch_functions:
+        items.append((torch.Tensor, "backward", make_backward_patch(amp)))
+    if any(s.active for s in run.scalers) or amp.props.master_weights:
+        items += [(owner, name, _make_clip_patch(amp)) for owner, name in _clip_targets()]
+    amp.patcher.apply(items)  # skips what is patched already
 
 
 class _Forget:
@@ -932,6 +950,7 @@ def load_state_dict(state: dict) -> None:
             raise ConfigError(f"amp_patch.load_state_dict: loss scaler {i}: {e}") from None
     for s, entry in zip(run.scalers, entries):
         s.load_state_dict(entry)
+    ensure_patches(amp)  # a static scale of 1 may have become another
 
 
 def counters() -> Dict[str, Any]:

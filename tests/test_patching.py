@@ -36,6 +36,13 @@ def _snapshot():
     return {name: dict(vars(obj)) for name, obj in NAMESPACES.items()}
 
 
+def _changed(before):
+    """Attributes whose object differs from ``before`` (by identity: a wrapt
+    wrapper compares equal to what it wraps)."""
+    now = _snapshot()
+    return [f"{ns}.{k}" for ns in now for k in set(now[ns]) | set(before[ns]) if now[ns].get(k) is not before[ns].get(k)]
+
+
 def test_wrapt_c_extension_is_in_use():
     # Without it a Tensor-method wrapper costs microseconds more per call.
     assert wrapt.FunctionWrapper.__module__ in ("wrapt._wrappers", "builtins") or "_wrappers" in repr(
@@ -65,16 +72,58 @@ def test_deinitialize_when_nothing_patched_is_a_noop():
     before = _snapshot()
     amp_patch.deinitialize()
     amp_patch.deinitialize()
-    assert _snapshot() == before
+    assert _changed(before) == []
 
 
-def test_o0_patches_nothing():
-    before = _snapshot()
+def _clip_functions():
+    import torch.nn.utils.clip_grad as cg
+
+    return {(owner.__name__, n): getattr(owner, n) for owner in (torch.nn.utils, cg) for n in dir(owner) if n.startswith("clip_")}
+
+
+@pytest.mark.parametrize("level", ["O0", "O3"])
+def test_levels_without_casts_or_scaling_patch_nothing_on_torch(level):
+    """O0 (FP32) and O3 (half model, static scale 1) have nothing to do in
+    torch's functions: no namespace, not Tensor.backward, not clip_grad_norm_."""
+    torch.manual_seed(0)
     m = nn.Linear(4, 4)
-    amp_patch.initialize(m, opt_level="O0")
+    ref = nn.Linear(4, 4)
+    ref.load_state_dict(m.state_dict())
+    opt, ref_opt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    before, clips = _snapshot(), _clip_functions()
+    m, opt = amp_patch.initialize(m, opt, opt_level=level, half_dtype="bfloat16", verbosity=0)
     try:
-        assert _snapshot()["torch.nn.functional"] == before["torch.nn.functional"]
-        assert m(torch.randn(2, 4)).dtype == torch.float32
+        now = _clip_functions()
+        assert _changed(before) == [] and all(now[k] is f for k, f in clips.items())
+        x = torch.randn(2, 4)
+        for model, o in ((m, opt), (ref.to(next(m.parameters()).dtype), ref_opt)):
+            model(x.to(next(model.parameters()).dtype)).float().pow(2).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            o.step()
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_loading_a_loss_scale_into_an_o0_run_patches_what_scaling_needs():
+    m = nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    clips, backward = _clip_functions(), torch.Tensor.backward
+    amp_patch.initialize(m, opt, opt_level="O0", verbosity=0)
+    try:
+        assert torch.Tensor.backward is backward
+        amp_patch.load_state_dict({"loss_scaler0": {"loss_scale": 128.0}})
+        assert vars(torch.Tensor)["backward"] is not backward
+        assert _clip_functions()[("torch.nn.utils", "clip_grad_norm_")] is not clips[("torch.nn.utils", "clip_grad_norm_")]
+        seen = []
+        m.weight.register_hook(lambda g: seen.append(g.clone()))
+        x = torch.randn(2, 4)
+        w0 = m.weight.detach().clone()
+        m(x).sum().backward()  # a plain backward, now scaled by the loaded scale
+        want = x.sum(0).expand(4, 4)
+        assert torch.allclose(seen[0], 128.0 * want)
+        opt.step()  # unscaled before the update
+        assert torch.allclose(m.weight.detach(), w0 - 0.1 * want)
     finally:
         amp_patch.deinitialize()
 
@@ -422,7 +471,7 @@ def test_bad_configuration_raises_and_patches_nothing(kwargs, error, fragment):
     with pytest.raises(error) as info:
         amp_patch.initialize(nn.Linear(2, 2), None, **kwargs)
     assert fragment in str(info.value)
-    assert _snapshot() == before and not amp_patch.is_initialized()
+    assert _changed(before) == [] and not amp_patch.is_initialized()
 
 
 def test_wrong_types_name_the_argument():
@@ -457,7 +506,7 @@ def test_failure_half_way_through_patching_undoes_everything(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         amp_patch.initialize(None, None, "O1")
     monkeypatch.undo()
-    assert _snapshot() == before and not amp_patch.is_initialized()
+    assert _changed(before) == [] and not amp_patch.is_initialized()
 
 
 def test_register_functions_and_decorators():
@@ -590,4 +639,4 @@ def test_deinitialize_after_exception_in_training_step_restores_torch():
             m(torch.randn(3, 5))  # wrong shape inside a patched op
     finally:
         amp_patch.deinitialize()
-    assert _snapshot() == before
+    assert _changed(before) == []
