@@ -33,6 +33,7 @@ import warnings
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import wrapt
 
 from . import _modes, _state
 from ._cast import LOW
@@ -110,6 +111,29 @@ def speed_warnings(props: Any, device_type: str, native_bf16: bool) -> List[str]
             f"model to a GPU."
         ]
     return []
+
+
+def wrapt_has_c_extension() -> bool:
+    """True when ``wrapt.FunctionWrapper`` is wrapt's C type, not its pure-Python fallback."""
+    try:
+        from wrapt import _wrappers
+    except ImportError:
+        return False
+    return wrapt.FunctionWrapper is getattr(_wrappers, "FunctionWrapper", None)
+
+
+def wrapper_warnings(props: Any, c_extension: bool) -> List[str]:
+    """Patched ops built on wrapt's pure-Python fallback, several µs slower per call."""
+    if not props.patch_torch_functions or c_extension:
+        return []
+    why = "WRAPT_DISABLE_EXTENSIONS is set" if os.environ.get("WRAPT_DISABLE_EXTENSIONS") else (
+        "wrapt was installed without it")
+    return [
+        f"amp_patch: wrapt's C extension is not in use ({why}), so every patched torch call pays several "
+        f"microseconds in wrapt's pure-Python wrappers, and amp_patch's C fast path is off. Unset "
+        f"WRAPT_DISABLE_EXTENSIONS, or reinstall wrapt from a wheel for this platform "
+        f"(pip install --force-reinstall wrapt)."
+    ]
 
 
 def bf16_weights_warnings(props: Any, device_type: str, gpu_bf16: bool, models: Sequence[torch.nn.Module]) -> List[str]:
@@ -250,6 +274,7 @@ def warn_at_initialize(amp: Any, models: Sequence[torch.nn.Module], optimizers: 
     gpu_bf16 = device == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     messages = (
         speed_warnings(props, device, cpu_has_native_bf16() if device == "cpu" else True)
+        + wrapper_warnings(props, wrapt_has_c_extension())
         + bf16_weights_warnings(props, device, gpu_bf16, models)
         + device_warnings(props, models)
         + optimizer_warnings(props, models, optimizers)

@@ -406,3 +406,20 @@ def test_a_step_the_loss_scaler_skips_is_explained():
         assert rep.overflow.op == "torch.nn.functional.linear"
     finally:
         amp_patch.deinitialize()
+
+
+def test_wrapt_without_its_c_extension_warns_where_functions_are_patched(monkeypatch):
+    monkeypatch.delenv("WRAPT_DISABLE_EXTENSIONS", raising=False)
+    o1, o2 = resolve("O1", "cpu", None), resolve("O2", "cpu", None)
+    assert diagnostics.wrapt_has_c_extension()  # this environment's wrapt has it
+    assert diagnostics.wrapper_warnings(o1, c_extension=True) == []
+    assert diagnostics.wrapper_warnings(o2, c_extension=False) == []  # O2 patches no torch function
+    (msg,) = diagnostics.wrapper_warnings(o1, c_extension=False)
+    assert msg.startswith("amp_patch: wrapt's C extension is not in use (wrapt was installed without it)")
+    assert msg.endswith("(pip install --force-reinstall wrapt).")
+    monkeypatch.setattr(diagnostics, "wrapt_has_c_extension", lambda: False)
+    try:
+        msgs, _ = _init_and_collect(None, opt_level="O1", half_dtype=bf16)
+    finally:
+        amp_patch.deinitialize()
+    assert msg in msgs

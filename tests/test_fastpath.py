@@ -317,3 +317,29 @@ def test_wrapper_types_keep_their_reference_count_over_sessions():
         amp_patch.deinitialize()
         gc.collect()
     assert [sys.getrefcount(t) for t in types] == before
+
+
+@pytest.mark.slow
+def test_wrapt_without_its_c_extension_still_patches_correctly_and_says_what_it_costs():
+    """WRAPT_DISABLE_EXTENSIONS=1: wrapt's pure-Python wrappers carry the patches
+    (results as with the C types), and initialize warns, naming the fix."""
+    code = (
+        "import torch, torch.nn.functional as F, amp_patch\n"
+        "from amp_patch import wrappers\n"
+        "from amp_patch.oplists import NAMESPACES\n"
+        "before = {n: dict(vars(o)) for n, o in NAMESPACES.items()}\n"
+        "x, w = torch.randn(3, 4), torch.nn.Parameter(torch.randn(5, 4))\n"
+        "want = F.linear(x.bfloat16(), w.bfloat16()), x.bfloat16() + w.t()[:3, :4]\n"
+        "amp_patch.initialize(None, None, 'O4')\n"
+        "got = F.linear(x, w), x.bfloat16() + w.t()[:3, :4]\n"
+        "amp_patch.deinitialize()\n"
+        "same = all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))\n"
+        "left = [k for n, o in NAMESPACES.items() for k in set(vars(o)) | set(before[n]) if vars(o).get(k) is not before[n].get(k)]\n"
+        "print(wrappers.fast is None, same, left)\n"
+    )
+    env = dict(os.environ, WRAPT_DISABLE_EXTENSIONS="1")
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "[]"]
+    assert "wrapt's C extension is not in use (WRAPT_DISABLE_EXTENSIONS is set)" in out.stderr
+    assert "Unset WRAPT_DISABLE_EXTENSIONS" in out.stderr
