@@ -92,3 +92,28 @@ def test_fused_update_on_cuda_matches_the_plain_step(opt_name):
     assert c["optimizers"][0]["fused"] == 1
     for a, b in zip(plain, got):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_cached_weight_and_inplace_rules_on_cuda():
+    """The C cache hit serves a CUDA weight's FP16 copy until the weight changes;
+    an in-place FP32-policy op refuses an FP16 CUDA tensor."""
+    w = nn.Parameter(torch.randn(8, 8, device="cuda"))
+    x = torch.randn(8, 8, device="cuda")
+    amp_patch.initialize(None, None, "O1", half_dtype="float16", verbosity=0)
+    try:
+        from amp_patch import _state
+
+        cache = _state.current().cache
+        a, b = torch.mm(x, w), torch.mm(x, w)
+        assert (cache.misses, cache.hits) == (1, 1) and torch.equal(a, b)
+        with torch.no_grad():
+            w.mul_(2)
+        c = torch.mm(x, w)
+        assert cache.misses == 2
+        with amp_patch.disable_casts():
+            assert torch.equal(c, torch.mm(x.half(), w.half()))
+        h = torch.rand(4, device="cuda", dtype=torch.float16)
+        with pytest.raises(amp_patch.CastError, match="torch.Tensor.exp_"):
+            h.exp_()
+    finally:
+        amp_patch.deinitialize()
