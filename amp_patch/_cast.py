@@ -116,7 +116,7 @@ def cast(obj: Any, to: torch.dtype, cache: CastCache | None, stats=None) -> Any:
             return obj
         if stats is not None:
             stats(obj.numel() * obj.element_size())
-        if cache is not None and to is not f32 and obj.requires_grad:
+        if cache is not None and to is not f32 and obj.requires_grad and obj.is_leaf:
             return cache.cast(obj, to)
         return CONVERT[to](obj)
     if isinstance(obj, (list, tuple)):
@@ -158,8 +158,8 @@ def cast_args(args: Any, to: torch.dtype, cache: CastCache | None) -> list:
         if isinstance(a, Tensor):
             dt = a.dtype
             if dt is not to and dt in CASTABLE:
-                # only a tensor that requires grad can be a cached weight
-                a = cache.cast(a, to) if cache is not None and a.requires_grad else convert(a)
+                # only a leaf that requires grad can be a cached weight
+                a = cache.cast(a, to) if cache is not None and a.requires_grad and a.is_leaf else convert(a)
         elif isinstance(a, (list, tuple, dict)):
             a = cast(a, to, cache)
         out.append(a)

@@ -52,7 +52,7 @@ static PyObject *disabled;          /* wrappers.disabled: {thread: depth} */
 static PyObject *divert;            /* wrappers.divert: non-empty = Python only */
 static PyObject *grad_enabled;      /* torch._C.is_grad_enabled */
 static PyObject *one;               /* the int 1 */
-static PyObject *str_dtype, *str_on, *str_requires_grad, *str_staticmethod, *str_version, *str_data_ptr;
+static PyObject *str_dtype, *str_on, *str_requires_grad, *str_is_leaf, *str_staticmethod, *str_version, *str_data_ptr;
 
 /* a vectorcall type must not let Python code reassign its __call__ */
 #ifdef Py_TPFLAGS_IMMUTABLETYPE
@@ -181,13 +181,17 @@ cache_hit(Fast *f, PyObject *a)
     return copy;
 }
 
-/* One castable tensor converted as wrappers.cast_args converts it: a tensor
-   that requires grad may be a weight, served by the cache; a new reference. */
+/* One castable tensor converted as wrappers.cast_args converts it: a leaf
+   that requires grad may be a weight, served by the cache; a new reference.
+   The cache never holds anything else (CastCache.cast stores leaves only),
+   so an activation is converted here without asking it. */
 static PyObject *
 cast_one(Fast *f, PyObject *a)
 {
     if (f->cache_cast != Py_None) {
         int grad = attr_true(a, str_requires_grad);
+        if (grad > 0)
+            grad = attr_true(a, str_is_leaf);
         if (grad < 0)
             return NULL;
         if (grad) {
@@ -492,11 +496,13 @@ PyInit__fastpath(void)
     str_dtype = PyUnicode_InternFromString("dtype");
     str_on = PyUnicode_InternFromString("on");
     str_requires_grad = PyUnicode_InternFromString("requires_grad");
+    str_is_leaf = PyUnicode_InternFromString("is_leaf");
     str_staticmethod = PyUnicode_InternFromString("staticmethod");
     str_version = PyUnicode_InternFromString("_version");
     str_data_ptr = PyUnicode_InternFromString("data_ptr");
     one = PyLong_FromLong(1);
-    if (!str_dtype || !str_on || !str_requires_grad || !str_staticmethod || !str_version || !str_data_ptr || !one)
+    if (!str_dtype || !str_on || !str_requires_grad || !str_is_leaf || !str_staticmethod || !str_version || !str_data_ptr ||
+        !one)
         return NULL;
     grad_enabled = import_attr("torch._C", "is_grad_enabled");
     if (grad_enabled == NULL)

@@ -1,6 +1,7 @@
 """Per-call cost of a patched op on tiny tensors (dispatch overhead, not math).
 
-For F.linear, torch.mm, F.mse_loss (a Python function, FP32 policy) and
+For F.linear (on a plain input, and on an activation that requires grad, as
+in training), torch.mm, F.mse_loss (a Python function, FP32 policy) and
 Tensor.__add__ on 8x8 tensors it measures:
   * the unpatched op on inputs already in the dtype its policy runs it in,
   * the patched op on the same inputs (nothing to cast: the overhead), with
@@ -43,10 +44,14 @@ def _cases(half: torch.dtype):
     b = torch.nn.Parameter(torch.randn(8))
     xh, wh, bh = x.to(half), w.detach().to(half), b.detach().to(half)
     y = torch.randn(8, 8)
+    # an activation as in training: it requires grad and is not a leaf
+    act = torch.randn(8, 8, requires_grad=True) * 1.0
+    acth = act.detach().to(half).requires_grad_()
     # (name, no-cast call, casting call, autocast covers it); the calls look the op up at call time, so the same lambda times the
     # patched and the unpatched op.
     return [
         ("F.linear", lambda: F.linear(xh, wh, bh), lambda: F.linear(x, w, b), True),
+        ("F.linear, activation", lambda: F.linear(acth, wh, bh), lambda: F.linear(act, w, b), True),
         ("torch.mm", lambda: torch.mm(xh, wh), lambda: torch.mm(x, w), True),
         # a Python function (most of torch.nn.functional), run in FP32
         ("F.mse_loss", lambda: F.mse_loss(x, y), lambda: F.mse_loss(xh, wh), True),

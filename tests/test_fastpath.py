@@ -185,6 +185,12 @@ def test_a_cached_weight_copy_is_served_only_while_it_is_valid(o4):
         check(False)
         check(True)
     assert check(True).grad_fn is not None  # ... and never serves a forward that needs it
+    act = w * 1.0  # an activation (requires grad, not a leaf) is never the cache's
+    counts = (cache.hits, cache.misses)
+    out = torch.mm(t["x"], act)
+    assert (cache.hits, cache.misses) == counts and out.grad_fn is not None
+    with amp_patch.disable_casts():
+        assert same(out.detach(), torch.mm(t["x"].to(bf16), act.detach().to(bf16)))
     w.requires_grad_(False)  # frozen: cast each time, not from the cache
     check(False)
     check(False)
