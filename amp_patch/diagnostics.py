@@ -338,6 +338,16 @@ def _running_wrapper_op(names: _modes.OpNames) -> Optional[str]:
     return None
 
 
+#: Tensor methods and the operators that run them: an override for ``a - b``
+#: must name ``__sub__`` (and ``__rsub__`` for ``1 - b``) too
+_OPERATORS = {
+    "add": ("__add__", "__radd__"), "sub": ("__sub__", "__rsub__"), "rsub": ("__rsub__",),
+    "mul": ("__mul__", "__rmul__"), "div": ("__truediv__", "__rtruediv__"),
+    "true_divide": ("__truediv__", "__rtruediv__"), "matmul": ("__matmul__", "__rmatmul__"),
+    "pow": ("__pow__", "__rpow__"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Provenance:
     """Where the inf/NaN of a skipped step first appeared.
@@ -366,15 +376,20 @@ class Provenance:
     module_type: Optional[str] = None
     dtype: Optional[str] = None
     inputs_finite: Optional[bool] = None
+    patching: bool = True  # the run patches torch functions (O1/O4), so op lists apply
 
     @property
     def yaml(self) -> Optional[str]:
-        """The op-list override that runs ``op`` in FP32, or None."""
+        """The op-list override that runs ``op`` in FP32 (under O1/O4, where op lists
+        apply), or None."""
         if self.op is None or self.dtype == "float32" or self.kind == "cast_gradient":
             return None
         for ns in sorted(NAMESPACES, key=len, reverse=True):
             if self.op.startswith(ns + "."):
-                return f"{ns}:\n  float: [{self.op[len(ns) + 1:]}]\n"
+                name = self.op[len(ns) + 1:]
+                # ``a - b`` reaches the mode as Tensor.sub but is patched as __sub__
+                names = [name] + list(_OPERATORS.get(name, ())) if ns == "torch.Tensor" else [name]
+                return f"{ns}:\n  float: [{', '.join(names)}]\n"
         return None
 
     def to_dict(self) -> dict:
@@ -416,9 +431,21 @@ class Provenance:
                 f"loss scale at work: a dynamic scale lowers itself and retries. If it keeps happening, "
                 f"run the op that produces that input in float32."
             )
-        if self.yaml:
+        if self.yaml and self.patching:
             body = "\n".join("  " + line for line in self.yaml.splitlines())
             text += f"\nTo run it in float32, add to an op-list override (initialize(..., lists='amp_fp32.yaml')):\n{body}"
+        elif self.yaml:
+            body = "\n".join("  " + line for line in self.yaml.splitlines())
+            keep = (
+                f" initialize(..., keep_fp32=[{self.module!r}]) runs that module in float32 (its output "
+                f"still returns to {self.dtype}, so this helps when the overflow is inside it);"
+                if self.module else ""
+            )
+            text += (
+                f"\nThis opt level runs the whole model in {self.dtype}; op lists do not apply to it.{keep} "
+                f"half_dtype=torch.bfloat16 has float32's range; or opt_level='O1' runs only listed ops in "
+                f"{self.dtype} and takes this override (lists='amp_fp32.yaml'):\n{body}"
+            )
         elif self.dtype == "float32":
             text += " It already ran in float32: the values themselves overflow; check the inputs and the learning rate."
         return text
@@ -562,7 +589,7 @@ class _OverflowWatch:
 
     def provenance(self, loss_id: int, step: Optional[int]) -> Provenance:
         e = self.event or {}
-        return Provenance(loss_id=loss_id, step=step, **e)
+        return Provenance(loss_id=loss_id, step=step, patching=bool(self.amp.props.patch_torch_functions), **e)
 
 
 _watch: Optional[_OverflowWatch] = None

@@ -22,19 +22,12 @@ from . import _state, oplists
 from ._state import AmpState
 from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
-from .properties import Properties, resolve
+from .properties import EXTRA_OPTIONS, Properties, resolve
 from .wrappers import _DecoratorPolicy, make_wrapper, pop_disabled, push_disabled
 
 log = logging.getLogger("amp_patch")
 _lock = threading.RLock()
 
-#: options ``initialize`` accepts besides the Apex property overrides; the
-#: modules that own them read them from ``AmpState.options``.
-EXTRA_OPTIONS = (
-    "num_losses", "min_loss_scale", "max_loss_scale", "init_scale", "growth_factor", "backoff_factor",
-    "growth_interval", "hysteresis", "max_consecutive_skips", "keep_fp32", "save_dtype",
-    "collect_stats", "find_overflow", "verbosity", "enabled", "fused_update",
-)
 
 # User registrations (register_*_function): (owner, name, policy), applied at
 # every initialize that patches functions, and at once if one is running.

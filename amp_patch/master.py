@@ -61,6 +61,10 @@ class MasterWeights:
         self.index: Dict[int, int] = {}  # id(half or master) -> i
         #: the masters' gradients already hold part of this step's sum
         self.carried = False
+        #: the optimizer's last zero_grad kept zeroed gradients (set_to_none=False)
+        #: since the last step: a master its backward does not reach then steps on
+        #: zeros, as an FP32 parameter would, instead of being skipped
+        self.zeroed = False
 
     def __len__(self) -> int:
         return len(self.halfs)
@@ -124,8 +128,12 @@ class MasterWeights:
                 unscale(bufs)
             has = set(idx)
             for i, m in enumerate(masters):
-                # a master whose half got no gradient this step must not step on an old one
-                m.grad = self.grads[i] if i in has else None
+                if i in has:
+                    m.grad = self.grads[i]
+                elif not self.zeroed:
+                    # a master whose half got no gradient this step must not step on
+                    # the last step's (model.zero_grad() cannot reach the masters)
+                    m.grad = None
         else:
             if unscale is not None:
                 incoming = [g.float() for g in incoming]
@@ -160,8 +168,15 @@ class MasterWeights:
             torch._foreach_copy_(self.halfs, self.masters)
 
     def zero_model_grads(self, set_to_none: bool) -> None:
-        """Clear the half parameters' gradients (the optimizer clears the masters')."""
-        for h in self.halfs:
+        """Clear the half parameters' gradients (the optimizer clears the masters').
+
+        With ``set_to_none=False`` a parameter that had a gradient keeps a zero
+        one, as in FP32: its master gets a zero gradient too (if the half's was
+        never moved there), so a step before the next backward, or one whose
+        backward does not reach it, updates it as FP32 would (momentum,
+        weight decay, Adam's moments).
+        """
+        for i, h in enumerate(self.halfs):
             if h.grad is not None:
                 if set_to_none:
                     h.grad = None
@@ -172,7 +187,10 @@ class MasterWeights:
                     else:
                         g.requires_grad_(False)
                     g.zero_()
+                    if self.masters[i].grad is None:
+                        self.masters[i].grad = self._buffer(i).zero_()
         self.carried = False
+        self.zeroed = not set_to_none
 
     def add_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """A param group for ``add_param_group`` with masters for its half parameters."""

@@ -185,6 +185,7 @@ class _Reader:
     def read_entry(self, ns: str, pol: str, i: int, item: Any, line: Optional[int]) -> None:
         path = f"{ns}.{pol}[{i}]"
         fields: Dict[str, Any] = {}
+        before = len(self.problems)  # every problem of the entry is reported, then it is dropped
         if isinstance(item, str):
             fields["name"] = item
         else:
@@ -195,7 +196,7 @@ class _Reader:
             for k, v, _ in its:
                 if k not in ENTRY_KEYS:
                     self.problem(line, path, f"has unknown key {k!r}{_nearest(k, ENTRY_KEYS)} (valid: {', '.join(ENTRY_KEYS)})")
-                    return
+                    continue
                 fields[k] = v
             if not isinstance(fields.get("name"), str):
                 self.problem(line, path, "needs a 'name' that is a string")
@@ -206,25 +207,25 @@ class _Reader:
         witems = _items(w)
         if witems is None:
             self.problem(line, path, f"'when' of {name!r} must be a mapping like {{dtype: float16}}")
-            return
+            witems = []
         for k, v, _ in witems:
             if k not in WHEN_KEYS:
                 self.problem(line, path, f"'when' of {name!r} has unknown key {k!r}{_nearest(k, WHEN_KEYS)} (valid: dtype, device)")
-                return
-            if v not in WHEN_KEYS[k]:
+            elif v not in WHEN_KEYS[k]:
                 self.problem(line, path, f"'when.{k}' of {name!r} is {v!r}{_nearest(v, WHEN_KEYS[k])} (valid: {', '.join(WHEN_KEYS[k])})")
-                return
-            when.append((k, v))
+            else:
+                when.append((k, v))
         optional = fields.get("optional", False)
         if not isinstance(optional, bool):
             self.problem(line, path, f"'optional' of {name!r} must be true or false")
-            return
+            optional = False
         if not op_exists(ns, name):
             if optional:
                 log.debug("amp_patch: optional op %s.%s is not in torch %s; not patched", ns, name, torch.__version__)
             else:
                 self.problem(line, path, f"{name!r} is not in {ns}{_nearest(name, _op_names(ns))} (mark it 'optional: true' if it exists only in some torch versions)")
-                return
+        if len(self.problems) > before:
+            return
         e = Entry(ns, name, pol, tuple(sorted(when)), optional, str(fields.get("why", "")), str(fields.get("fix", "")), f"{self.where}:{line}" if line else self.where)
         (self.removed if pol == "remove" else self.entries).append(e)
 

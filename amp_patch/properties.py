@@ -9,8 +9,10 @@
 | O4    | None (BF16 O1)  | True                  | None                | False          | 1.0        |
 | O5    | BF16 (BF16 O2)  | False                 | True                | True           | 1.0        |
 
-"half" is FP16 on CUDA and BF16 on CPU unless ``half_dtype`` says otherwise.
-Dynamic loss scaling becomes 1.0 under BF16, whose range is FP32's.
+"half" is FP16 on CUDA and BF16 on CPU unless ``half_dtype`` (or Apex's
+``cast_model_type=torch.float16``) says otherwise. Dynamic loss scaling
+becomes 1.0 under BF16, whose range is FP32's; O4/O5 asked for FP16 scale
+dynamically, as O1/O2 do.
 """
 from __future__ import annotations
 
@@ -29,12 +31,21 @@ _LEVELS = {
     "O1": dict(cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None, master_weights=False, loss_scale="dynamic"),
     "O2": dict(cast_model_type=HALF, patch_torch_functions=False, keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic"),
     "O3": dict(cast_model_type=HALF, patch_torch_functions=False, keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
-    "O4": dict(cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
-    "O5": dict(cast_model_type=HALF, patch_torch_functions=False, keep_batchnorm_fp32=True, master_weights=True, loss_scale=1.0),
+    # O4/O5 are O1/O2 in BF16, whose scale is 1.0 (below); a run that asks them
+    # for FP16 gets O1/O2's dynamic scale, which FP16 gradients need.
+    "O4": dict(cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None, master_weights=False, loss_scale="dynamic"),
+    "O5": dict(cast_model_type=HALF, patch_torch_functions=False, keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic"),
 }
 _BF16_LEVELS = ("O4", "O5")
 
 OVERRIDES = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights", "loss_scale", "cast_model_outputs")
+#: options ``initialize`` accepts besides the Apex property overrides; the
+#: modules that own them read them from ``AmpState.options``.
+EXTRA_OPTIONS = (
+    "num_losses", "min_loss_scale", "max_loss_scale", "init_scale", "growth_factor", "backoff_factor",
+    "growth_interval", "hysteresis", "max_consecutive_skips", "keep_fp32", "save_dtype",
+    "collect_stats", "find_overflow", "verbosity", "enabled", "fused_update",
+)
 
 _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
@@ -110,15 +121,37 @@ def resolve(opt_level: Any, device_type: str, half_dtype: Any = None, **override
     if unknown:
         import difflib
 
-        hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, OVERRIDES, 1)) else "") for k in unknown]
-        raise ConfigError(f"unknown option {', '.join(hints)} for initialize; valid overrides: {', '.join(OVERRIDES)}")
+        known = OVERRIDES + EXTRA_OPTIONS
+        hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, known, 1)) else "") for k in unknown]
+        raise ConfigError(
+            f"unknown option {', '.join(hints)} for initialize; apex.amp's overrides: {', '.join(OVERRIDES)}; "
+            f"amp_patch's options: {', '.join(EXTRA_OPTIONS)}"
+        )
     p = dict(_LEVELS[level])
+    cmt = overrides.get("cast_model_type", p["cast_model_type"])
+    if cmt is False:
+        cmt = None  # Apex: leave the model's dtypes as they are
+    elif cmt is not None and cmt != HALF:
+        cmt = parse_dtype(cmt, "cast_model_type", (torch.float16, torch.bfloat16, torch.float32))
+    # The run's half dtype: half_dtype=, else an Apex-style cast_model_type=torch.float16
+    # (the dtype the model is cast to is the one its ops and loss scaling are for),
+    # else the level's or the device's.
+    named = cmt if cmt in (torch.float16, torch.bfloat16) else None
     if half_dtype is not None:
         half = parse_dtype(half_dtype)
+        if named is not None and named != half:
+            raise ConfigError(
+                f"cast_model_type={named} and half_dtype={half} disagree; give one of them "
+                f"(half_dtype={half} alone casts the model to {half} at O2/O3/O5)"
+            )
+    elif named is not None:
+        half = named
     elif level in _BF16_LEVELS:
         half = torch.bfloat16
     else:
         half = default_half_dtype(device_type)
+    if cmt == HALF:
+        cmt = half
 
     for key in ("patch_torch_functions", "keep_batchnorm_fp32", "master_weights"):
         if overrides.get(key) is not None:
@@ -127,16 +160,6 @@ def resolve(opt_level: Any, device_type: str, half_dtype: Any = None, **override
         p["loss_scale"] = _parse_loss_scale(overrides["loss_scale"])
     elif half == torch.bfloat16:
         p["loss_scale"] = 1.0  # BF16 has FP32's exponent range: nothing to scale
-
-    cmt = overrides.get("cast_model_type", p["cast_model_type"])
-    if cmt is False:
-        cmt = None  # Apex: leave the model's dtypes as they are
-    elif cmt == HALF:
-        cmt = half
-    elif cmt is not None:
-        cmt = parse_dtype(cmt, "cast_model_type", (torch.float16, torch.bfloat16, torch.float32))
-        if cmt != torch.float32 and half_dtype is None and "cast_model_type" in overrides:
-            half = cmt
     out = overrides.get("cast_model_outputs")
     if out is not None:
         out = parse_dtype(out, "cast_model_outputs", (torch.float16, torch.bfloat16, torch.float32))

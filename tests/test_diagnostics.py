@@ -266,6 +266,75 @@ def test_forward_overflow_names_module_op_dtype_and_the_yaml_fix(fp16_run, tmp_p
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
+class _Amplify(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x) * 1e5  # an operator: Tensor.__mul__ runs it
+
+
+def _armed(model, level, tmp_path=None, **kw):
+    amp_patch.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, half_dtype=f16,
+                         find_overflow=True, verbosity=0, **kw)
+    scaler = _Scaler()
+    _state.current().scalers.append(scaler)
+    return _state.current(), scaler
+
+
+def test_an_operator_overflow_gets_an_override_that_reaches_the_operator(tmp_path):
+    """``h * 1e5`` is seen as Tensor.mul but patched as __mul__: the suggested
+    override names both, and it does run the product in float32."""
+    torch.manual_seed(0)
+    model = _Amplify()
+    x = torch.ones(2, 8)
+    amp, scaler = _armed(model, "O1")
+    try:
+        model(x).float().sum().backward()
+        prov, _, _ = _skip(amp, scaler)
+    finally:
+        amp_patch.deinitialize()
+    assert (prov.kind, prov.op, prov.dtype) == ("output", "torch.Tensor.mul", "float16")
+    assert prov.yaml == "torch.Tensor:\n  float: [mul, __mul__, __rmul__]\n"
+    (tmp_path / "fix.yaml").write_text(prov.yaml)
+    amp_patch.initialize(model, opt_level="O1", half_dtype=f16, lists=str(tmp_path / "fix.yaml"), verbosity=0)
+    try:
+        out = model(x)
+    finally:
+        amp_patch.deinitialize()
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_at_o2_the_fix_names_what_works_at_that_level(tmp_path):
+    """O2 runs the whole model in FP16, so an op list alone changes nothing there:
+    the message says so and names keep_fp32, BF16, and O1 with the override."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(), nn.Sequential(_one_layer(3000.0)))
+    x = torch.full((2, 8), 10.0)
+    amp, scaler = _armed(model, "O2")
+    try:
+        model(x).float().sum().backward()
+        prov, _, _ = _skip(amp, scaler)
+    finally:
+        amp_patch.deinitialize()
+    assert (prov.op, prov.module, prov.dtype) == ("torch.nn.functional.linear", "1.0.fc", "float16")
+    assert str(prov).endswith(
+        "\nThis opt level runs the whole model in float16; op lists do not apply to it. "
+        "initialize(..., keep_fp32=['1.0.fc']) runs that module in float32 (its output still returns to float16, "
+        "so this helps when the overflow is inside it); half_dtype=torch.bfloat16 has float32's range; or "
+        "opt_level='O1' runs only listed ops in float16 and takes this override (lists='amp_fp32.yaml'):\n"
+        "  torch.nn.functional:\n    float: [linear]"
+    )
+    (tmp_path / "fix.yaml").write_text(prov.yaml)
+    amp_patch.initialize(model, opt_level="O1", half_dtype=f16, lists=str(tmp_path / "fix.yaml"), verbosity=0)
+    try:
+        out = model(x)
+    finally:
+        amp_patch.deinitialize()
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("fp16_run", [(0.001,)], indirect=True)
 def test_forward_cast_overflow_is_named_as_the_cast_of_the_ops_input(fp16_run):
     model, amp, scaler = fp16_run

@@ -308,6 +308,65 @@ def test_zero_grad_clears_model_and_master_gradients(set_to_none):
         assert all(torch.equal(m.grad, g) for m, g in zip(amp_patch.master_params(opt), fresh))
 
 
+ZERO_KEEPING_OPTIMIZERS = [
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    (torch.optim.Adam, dict(lr=0.01)),
+    (torch.optim.AdamW, dict(lr=0.01)),
+]
+
+
+@pytest.mark.parametrize("opt_cls,kw", ZERO_KEEPING_OPTIMIZERS, ids=[c.__name__ for c, _ in ZERO_KEEPING_OPTIMIZERS])
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_parameter_the_backward_does_not_reach_steps_as_in_fp32(opt_cls, kw, set_to_none):
+    """zero_grad(set_to_none=False) leaves FP32 parameters zero gradients, on which
+    momentum, weight decay and Adam keep moving them; their masters do the same.
+    With set_to_none=True such a parameter has no gradient and stays put."""
+    torch.manual_seed(0)
+    used, unused = nn.Linear(4, 4), nn.Linear(4, 4)
+    both = nn.ModuleList([used, unused])
+    opt = opt_cls(both.parameters(), **kw)
+    with amp(both, opt, "O2", half_dtype="float16"):
+        x = torch.randn(3, 4, dtype=f16)
+        opt.zero_grad(set_to_none=set_to_none)
+        ((used(x) + unused(x)).float().mean() * 1e-2).backward()
+        opt.step()
+        master = list(amp_patch.master_params(opt))[2]  # unused.weight's
+        after_first = master.detach().clone()
+        ref = nn.Parameter(master.detach().clone())
+        ref_opt = opt_cls([ref], **kw)
+        ref_opt.state[ref] = copy.deepcopy(opt.state[master])
+        for _ in range(3):
+            opt.zero_grad(set_to_none=set_to_none)
+            (used(x).float().mean() * 1e-2).backward()
+            opt.step()
+            ref.grad = None if set_to_none else torch.zeros_like(ref)
+            ref_opt.step()
+        assert torch.equal(master, ref)
+        assert torch.equal(unused.weight, ref.detach().half())
+        assert torch.equal(master, after_first) == set_to_none  # moved on zeros, or stayed put
+
+
+def test_a_step_after_zero_grad_keeping_zeros_steps_as_in_fp32():
+    """backward, zero_grad(set_to_none=False), step: FP32 steps on zero gradients
+    (here with Adam state from before initialize); so do the masters."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()  # no gradient left at initialize
+    ref = nn.Parameter(model.weight.detach().clone())
+    ref_opt = torch.optim.Adam([ref], lr=0.1)
+    ref_opt.state[ref] = copy.deepcopy(opt.state[model.weight])
+    with amp(model, opt, "O2", half_dtype="float16"):
+        model(torch.randn(2, 4, dtype=f16)).float().sum().backward()
+        opt.zero_grad(set_to_none=False)
+        opt.step()
+        ref.grad = torch.zeros_like(ref)
+        ref_opt.step()
+        assert torch.equal(next(amp_patch.master_params(opt)), ref)
+
+
 def test_module_zero_grad_also_works_between_steps():
     a, b = mlp(), mlp()
     oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
@@ -493,3 +552,31 @@ def test_a_closure_optimizer_runs_at_o2_in_bf16():
         for _ in range(3):
             opt.step(closure)
         assert F.mse_loss(model(x), y).item() < 0.9 * start
+
+
+@pytest.mark.parametrize(
+    "level,kw",
+    [("O2", dict(cast_model_type=torch.float16)), ("O2", dict(cast_model_type="float16")),
+     ("O5", dict(half_dtype="float16")), ("O4", dict(half_dtype=torch.float16))],
+    ids=["O2-cast_model_type", "O2-cast_model_type-str", "O5-fp16", "O4-fp16"],
+)
+def test_an_fp16_run_always_gets_the_dynamic_loss_scale(level, kw):
+    """Asked for FP16 in any form (Apex's cast_model_type, or half_dtype on the BF16
+    levels), the run scales the loss dynamically from 2**16, on the CPU too."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp(model, opt, level, **kw):
+        state = amp_patch.state_dict()
+        assert state["loss_scaler0"]["loss_scale"] == 2.0 ** 16 and state["amp_patch"]["half_dtype"] == "float16"
+        if level != "O4":
+            assert model.weight.dtype == f16
+        x = torch.randn(8, 4, dtype=model.weight.dtype)
+        (model(x).float().sum() * 1e-8).backward()  # underflows in FP16 without the scale
+        assert next(iter(amp_patch.master_params(opt))).grad.abs().max() > 0
+
+
+def test_cast_model_type_and_half_dtype_that_disagree_are_refused():
+    model = nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=r"cast_model_type=torch.bfloat16 and half_dtype=torch.float16 disagree"):
+        amp_patch.initialize(model, opt_level="O2", cast_model_type=torch.bfloat16, half_dtype="float16")
+    assert model.weight.dtype == f32 and not amp_patch.is_initialized()

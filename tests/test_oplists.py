@@ -195,3 +195,15 @@ def test_inplace_forms_follow_their_op_unless_listed_or_removed():
     assert ("torch.Tensor", "exp") not in gone and ("torch.Tensor", "exp_") not in gone
     relisted = load([{"torch.Tensor": {"remove": ["log_"]}}, {"torch.Tensor": {"promote": ["log_"]}}])
     assert relisted.resolve(torch.float16)[("torch.Tensor", "log_")].policy == "promote"
+
+
+def test_every_problem_of_one_entry_is_reported():
+    bad = {"torch": {"float": [{"name": "cumsun", "when": {"device": "tpu", "dtyp": "float16"}, "bogus_key": 1}]}}
+    problems, _ = collect_problems([bad])
+    assert problems == [
+        "<lists dict>: torch.float[0] has unknown key 'bogus_key' (valid: name, when, optional, why, fix)",
+        "<lists dict>: torch.float[0] 'when.device' of 'cumsun' is 'tpu'; did you mean 'cpu'? (valid: cpu, cuda)",
+        "<lists dict>: torch.float[0] 'when' of 'cumsun' has unknown key 'dtyp'; did you mean 'dtype'? (valid: dtype, device)",
+        "<lists dict>: torch.float[0] 'cumsun' is not in torch; did you mean 'cumsum'? "
+        "(mark it 'optional: true' if it exists only in some torch versions)",
+    ]
