@@ -45,6 +45,10 @@ class Patcher:
     def is_patched(self, owner: Any, name: str) -> bool:
         return (id(owner), name) in self._index
 
+    def originals(self) -> List[Tuple[Any, str, Any]]:
+        """``(owner, name, original)`` of every patched attribute, oldest first."""
+        return [(r.owner, r.name, r.old) for r in self._records]
+
     def get_original(self, owner: Any, name: str) -> Any:
         """The value ``owner.name`` had before we first patched it."""
         rec = self._index.get((id(owner), name))

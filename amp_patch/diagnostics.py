@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 import sysconfig
+import types
 import warnings
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -237,17 +238,20 @@ def captured_functions(amp: Any) -> List[Tuple[str, str, str]]:
     """``(module, name, op)`` for each user-module global that holds an
     original torch function the running AMP patched."""
     originals = {}
-    for ns, name in amp.table or {}:
-        owner = NAMESPACES[ns]
-        if ns != "torch.Tensor" and amp.patcher.is_patched(owner, name):
-            originals.setdefault(id(amp.patcher.get_original(owner, name)), f"{ns}.{name}")
+    for owner, name, original in amp.patcher.originals():
+        # functions of modules (torch's namespaces, the clip functions); a class's
+        # methods (Tensor's) are looked up at call time and cannot be captured
+        if isinstance(owner, types.ModuleType) and callable(original):
+            originals.setdefault(id(original), f"{owner.__name__}.{name}")
     if not originals:
         return []
     library = _library_dirs()
-    found = []
+    found, seen = [], set()
     for modname, mod in list(sys.modules.items()):
-        if mod is None or not _is_user_module(mod, library):
+        # __mp_main__ is __main__ again under multiprocessing: name it once
+        if mod is None or id(mod) in seen or not _is_user_module(mod, library):
             continue
+        seen.add(id(mod))
         for name, value in list(vars(mod).items()):
             op = originals.get(id(value))
             if op is not None:
@@ -256,12 +260,21 @@ def captured_functions(amp: Any) -> List[Tuple[str, str, str]]:
 
 
 def captured_warnings(amp: Any) -> List[str]:
-    return [
-        f"amp_patch: {mod}.{name} is the original {op}, bound before amp_patch.initialize, so its calls "
-        f"are not cast. Call it through its module at call time ({op}(...)), or call initialize before "
-        f"importing {mod}."
-        for mod, name, op in captured_functions(amp)
-    ]
+    out = []
+    for mod, name, op in captured_functions(amp):
+        if op.rpartition(".")[2].startswith("clip_grad"):
+            what = (
+                "so it clips the loss-scaled gradients of the model, not the true ones of the optimizer. "
+                f"Clip amp_patch.master_params(optimizer), which are unscaled first, or call it through its "
+                f"module at call time ({op}(...))"
+            )
+        else:
+            what = f"so its calls are not cast. Call it through its module at call time ({op}(...))"
+        out.append(
+            f"amp_patch: {mod}.{name} is the original {op}, bound before amp_patch.initialize, {what}, "
+            f"or call initialize before importing {mod}."
+        )
+    return out
 
 
 def warn_at_initialize(amp: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> None:

@@ -194,6 +194,31 @@ def test_functions_captured_before_initialize_are_named(tmp_path, monkeypatch):
     assert not any(mod.startswith("torch") for mod, _, _ in found)
 
 
+def test_a_clip_function_captured_before_initialize_is_named_with_the_fix(tmp_path, monkeypatch):
+    """``from torch.nn.utils import clip_grad_norm_`` then a loss-scaled run: that name
+    would clip scaled gradients; the warning says so, once even when the module is
+    also registered as __mp_main__ (multiprocessing's alias of __main__)."""
+    (tmp_path / "clip_mod.py").write_text("from torch.nn.utils import clip_grad_norm_\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "clip_mod", raising=False)
+    import clip_mod
+
+    monkeypatch.setitem(sys.modules, "clip_alias", clip_mod)
+    model = nn.Linear(4, 4)
+    try:
+        msgs, _ = _init_and_collect(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", half_dtype=f16)
+    finally:
+        amp_patch.deinitialize()
+        sys.modules.pop("clip_mod", None)
+    clip = [m for m in msgs if "clip_grad_norm_" in m]
+    assert clip == [
+        "amp_patch: clip_mod.clip_grad_norm_ is the original torch.nn.utils.clip_grad_norm_, bound before "
+        "amp_patch.initialize, so it clips the loss-scaled gradients of the model, not the true ones of the "
+        "optimizer. Clip amp_patch.master_params(optimizer), which are unscaled first, or call it through its "
+        "module at call time (torch.nn.utils.clip_grad_norm_(...)), or call initialize before importing clip_mod."
+    ]
+
+
 # ------------------------------------------------------------ overflow provenance
 
 
