@@ -29,7 +29,7 @@ import wrapt
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
 from . import wrappers
-from .oplists import NAMESPACES
+from .oplists import NAMESPACES, OPERATOR_FORMS
 
 Observer = Callable[[Any, tuple, dict, Any], None]
 
@@ -204,9 +204,14 @@ class OpNames:
         return ()
 
     def covered(self, names: Tuple[Tuple[str, str], ...]) -> bool:
+        """Whether a list covers the op: under one of its names, or, for a Tensor
+        method, under the operator that runs it (``a * b`` reaches torch as ``mul``)."""
         table = self.amp.table or {}
         patcher = self.amp.patcher
-        return any(key in table or patcher.is_patched(NAMESPACES[key[0]], key[1]) for key in names)
+        keys = list(names) + [
+            (ns, op) for ns, name in names if ns == "torch.Tensor" for op in OPERATOR_FORMS.get(name, ())
+        ]
+        return any(key in table or patcher.is_patched(NAMESPACES[key[0]], key[1]) for key in keys)
 
 
 def qualname(key: Tuple[str, str]) -> str:

@@ -39,7 +39,7 @@ import wrapt
 from . import _modes, _state
 from ._cast import LOW
 from .errors import StateError
-from .oplists import NAMESPACES
+from .oplists import NAMESPACES, OPERATOR_FORMS
 from .stats import dtype_name
 
 log = logging.getLogger("amp_patch")
@@ -351,16 +351,6 @@ def _running_wrapper_op(names: _modes.OpNames) -> Optional[str]:
     return None
 
 
-#: Tensor methods and the operators that run them: an override for ``a - b``
-#: must name ``__sub__`` (and ``__rsub__`` for ``1 - b``) too
-_OPERATORS = {
-    "add": ("__add__", "__radd__"), "sub": ("__sub__", "__rsub__"), "rsub": ("__rsub__",),
-    "mul": ("__mul__", "__rmul__"), "div": ("__truediv__", "__rtruediv__"),
-    "true_divide": ("__truediv__", "__rtruediv__"), "matmul": ("__matmul__", "__rmatmul__"),
-    "pow": ("__pow__", "__rpow__"),
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class Provenance:
     """Where the inf/NaN of a skipped step first appeared.
@@ -401,7 +391,7 @@ class Provenance:
             if self.op.startswith(ns + "."):
                 name = self.op[len(ns) + 1:]
                 # ``a - b`` reaches the mode as Tensor.sub but is patched as __sub__
-                names = [name] + list(_OPERATORS.get(name, ())) if ns == "torch.Tensor" else [name]
+                names = [name] + list(OPERATOR_FORMS.get(name, ())) if ns == "torch.Tensor" else [name]
                 return f"{ns}:\n  float: [{', '.join(names)}]\n"
         return None
 

@@ -361,6 +361,16 @@ class OpTable:
         return [e for e in self.entries if not op_exists(e.namespace, e.name)]
 
 
+#: Tensor methods and the operators that run the same op: ``a - b`` is patched
+#: as ``__sub__`` (``1 - b`` as ``__rsub__``), but torch reports it as ``sub``
+OPERATOR_FORMS: Dict[str, Tuple[str, ...]] = {
+    "add": ("__add__", "__radd__"), "sub": ("__sub__", "__rsub__"), "rsub": ("__rsub__",),
+    "mul": ("__mul__", "__rmul__"), "div": ("__truediv__", "__rtruediv__"),
+    "true_divide": ("__truediv__", "__rtruediv__"), "matmul": ("__matmul__", "__rmatmul__"),
+    "pow": ("__pow__", "__rpow__"),
+}
+
+
 def inplace_name(name: str) -> Optional[str]:
     """The in-place form of op ``name`` by torch's naming, or None.
 

@@ -108,6 +108,19 @@ def test_inplace_ops_are_recorded_with_the_receiver_dtype_and_their_casts(amp_ru
     assert rec["first_call_site"] == f"{HERE}:{_line('# site: addmm_')}"
 
 
+def test_operators_are_not_reported_as_unlisted_methods(amp_run):
+    """``x * 2 + 1`` reaches torch as Tensor.mul and Tensor.add, but runs through
+    __mul__ and __add__, which the lists cover (promote): neither is "unlisted"."""
+    x = torch.randn(4, requires_grad=True)
+    amp_patch.reset_stats()
+    (x * 2 + 1).sum()
+    report = amp_patch.report().to_dict()
+    assert "torch.Tensor.mul" not in report["unlisted"] and "torch.Tensor.add" not in report["unlisted"]
+    assert report["ops"]["torch.Tensor.__mul__"]["calls"] == 1 and report["ops"]["torch.Tensor.__add__"]["calls"] == 1
+    torch.tanh(x)  # an op no list covers is still reported
+    assert "torch.tanh" in amp_patch.report().to_dict()["unlisted"]
+
+
 def test_unlisted_ops_are_fp32_ops_on_eligible_inputs_that_no_list_covers(amp_run):
     model, opt = amp_run
     x, y = _data()
