@@ -213,7 +213,8 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
     """apex.amp.load_state_dict: restore the loss scalers from ``amp.state_dict()``.
 
     Accepts checkpoints written by Apex and by amp_patch. Call it after
-    ``initialize``.
+    ``initialize``. As in Apex, a checkpoint with another number of loss
+    scalers than ``num_losses`` loads its first ones, with a warning.
 
     Example::
 
@@ -222,7 +223,7 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
     """
     if _passthrough():
         return
-    _top().load_state_dict(state_dict)
+    _top().load_state_dict(state_dict, strict=False)
 
 
 def init(*args: Any, **kwargs: Any) -> Any:

@@ -906,15 +906,21 @@ def _scaler_entries(state: dict) -> List[Any]:
     return [state[f"loss_scaler{i}"] for i in ids]
 
 
-def load_state_dict(state: dict) -> None:
+def load_state_dict(state: dict, *, strict: bool = True) -> None:
     """Restore ``state_dict()`` output, or apex.amp's (``{"loss_scaler0": {...}}``).
 
     Call it after ``initialize`` with the same ``num_losses``. All or
     nothing: a bad entry raises before any scaler changes.
 
+    Args:
+        state: what ``state_dict()`` returned.
+        strict: False loads a checkpoint with another number of loss scalers
+            as apex.amp did: a warning, then the first ``min(saved, num_losses)``
+            scalers (``apex.amp.load_state_dict`` here uses it).
+
     Raises:
         StateError: before ``initialize``.
-        ConfigError: malformed state, or a different number of losses.
+        ConfigError: malformed state, or (when strict) a different number of losses.
 
     Example::
 
@@ -932,10 +938,13 @@ def load_state_dict(state: dict) -> None:
     entries = _scaler_entries(state)
     run = _run(amp)
     if len(entries) != len(run.scalers):
-        raise ConfigError(
+        message = (
             f"amp_patch.load_state_dict: the checkpoint has {len(entries)} loss scaler(s), this run has "
             f"{len(run.scalers)}; pass initialize(..., num_losses={len(entries)})"
         )
+        if strict:
+            raise ConfigError(message)
+        warnings.warn(f"{message}. Loading the first {min(len(entries), len(run.scalers))}, as apex.amp did.", stacklevel=3)
     meta = state.get("amp_patch")
     level = meta.get("opt_level") if isinstance(meta, dict) else None
     if level is not None and level != amp.props.opt_level:

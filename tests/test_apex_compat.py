@@ -196,6 +196,22 @@ def test_an_apex_checkpoint_loads(fp16_o1):
         scaled.backward()
 
 
+def test_an_apex_checkpoint_with_another_number_of_losses_loads_as_in_apex(fp16_o1):
+    """Apex warned and loaded the scalers that fit; amp_patch's own load_state_dict
+    refuses the mismatch (all or nothing), naming num_losses."""
+    three = {f"loss_scaler{i}": {"loss_scale": 2.0 ** (7 - i), "unskipped": i} for i in range(3)}
+    with pytest.raises(ConfigError, match=r"the checkpoint has 3 loss scaler\(s\), this run has 2; pass initialize\(\.\.\., num_losses=3\)"):
+        amp_patch.load_state_dict(three)
+    with pytest.warns(UserWarning, match=r"has 3 loss scaler\(s\), this run has 2.*Loading the first 2, as apex.amp did"):
+        amp.load_state_dict(three)
+    sd = amp.state_dict()
+    assert [float(sd[f"loss_scaler{i}"]["loss_scale"]) for i in range(2)] == [128.0, 64.0]
+    with pytest.warns(UserWarning, match="Loading the first 1"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 16.0, "unskipped": 0}})
+    sd = amp.state_dict()
+    assert [float(sd[f"loss_scaler{i}"]["loss_scale"]) for i in range(2)] == [16.0, 64.0]
+
+
 def test_editing_the_loss_scale_through_the_state_dict_works(fp16_o1):
     sd = amp.state_dict()
     sd["loss_scaler0"]["loss_scale"] = 1024.0
