@@ -302,7 +302,7 @@ class Session:
         level = self.settings.opt_level
         try:
             if level in FUNCTION_LEVELS:
-                frontend.initialize(None, None, level, verbosity=0, **self.settings.initialize_kwargs())
+                frontend.initialize(None, None, level, **self.settings.initialize_kwargs())
                 self._mark(_state.current())
             if level in FUNCTION_LEVELS or level in MODEL_LEVELS:
                 self._hook = OptimizerHook(self._on_optimizer)
@@ -362,7 +362,7 @@ class Session:
         if self.amp is not None:
             self.amp.provisional = None
         try:
-            frontend.initialize(model, optimizer, self.settings.opt_level, verbosity=0, **self.settings.initialize_kwargs())
+            frontend.initialize(model, optimizer, self.settings.opt_level, **self.settings.initialize_kwargs())
         finally:
             if self.amp is not None:
                 self.amp.provisional = saved

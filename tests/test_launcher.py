@@ -303,6 +303,20 @@ def test_o1_adopts_every_optimizer_the_script_builds(tmp_path, adopted):
     assert out["state"] is out["launcher_state"]
 
 
+@pytest.mark.parametrize("level", ["O4", "O5"])
+def test_a_launched_run_gets_the_set_up_warnings_too(tmp_path, adopted, monkeypatch, level):
+    """Zero-code users see what initialize would tell them (here: BF16 emulated on
+    this CPU), once, for the function levels and for the model levels alike."""
+    from amp_patch import diagnostics
+
+    monkeypatch.setattr(diagnostics, "_warned", set())
+    monkeypatch.setattr(diagnostics, "cpu_has_native_bf16", lambda: False)
+    script = write(tmp_path, "train.py", TRAIN.format(own="").replace("later = torch.optim.Adam(", "later = ("))  # one optimizer
+    with pytest.warns(amp_patch.AmpWarning, match=rf"{level} runs in bfloat16 on a CPU without native BF16") as rec:
+        launcher.run(str(script), [], Settings.resolve(opt_level=level))
+    assert len([w for w in rec if "without native BF16" in str(w.message)]) == 1
+
+
 def test_the_scripts_own_initialize_wins_without_double_patching(tmp_path, adopted):
     own = "model, optimizer = amp_patch.initialize(model, optimizer, opt_level='O1', verbosity=0)"
     script = write(tmp_path, "train.py", TRAIN.format(own=own))
