@@ -71,7 +71,8 @@ def _scalers(amp: Any) -> List[Tuple[int, History, Optional[float]]]:
 
 
 def _scale_summary(loss_id: int, rows: History, now: Optional[float]) -> Dict[str, Any]:
-    scales = [s for _, s, _ in rows]
+    # the scale each step ran with, and the one the next step will use
+    scales = [s for _, s, _ in rows] + ([now] if now is not None and rows else [])
     skipped = [step for step, _, sk in rows if sk]
     return {
         "loss_id": loss_id,

@@ -277,6 +277,20 @@ def test_report_summarises_each_scalers_history(amp_run):
         amp.scalers.pop()
 
 
+def test_the_summary_range_includes_the_scale_after_the_last_step(amp_run):
+    amp = _state.current()
+    scaler = _Scaler([(0, 65536.0, True)], loss_id=8)
+    scaler.scale = 32768.0  # backed off by the skipped step
+    amp.scalers.append(scaler)
+    try:
+        rep = amp_patch.report()
+        s = next(s for s in rep.loss_scale if s["loss_id"] == 8)
+        assert (s["scale"], s["min_scale"], s["max_scale"]) == (32768.0, 32768.0, 65536.0)
+        assert "scale 32768 now (min 32768, max 65536)" in str(rep)
+    finally:
+        amp.scalers.pop()
+
+
 def test_history_is_read_defensively(amp_run):
     amp = _state.current()
 
