@@ -326,6 +326,13 @@ def plot(path: "str | os.PathLike[str]") -> str:
             f"amp_patch.plot() draws with matplotlib, which is not installed; install the extra: {PLOT_EXTRA_HINT}"
         ) from None
     histories = [(i, rows) for i, rows in scale_histories(amp) if rows]
+    scalers = getattr(amp, "scalers", None) or ()
+    if not histories and scalers and not any(getattr(s, "active", True) for s in scalers):
+        raise StateError(
+            f"amp_patch.plot(): this run scales no loss ({amp.props.half_dtype}, loss scale "
+            f"{amp.props.loss_scale}), so it has no loss-scale history to plot; amp_patch.counters() "
+            f"has its steps"
+        )
     if not histories:
         raise StateError(
             "amp_patch.plot() found no loss-scale history yet: call it after some optimizer steps "

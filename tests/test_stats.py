@@ -335,6 +335,17 @@ def test_plot_without_history_says_when_to_call_it(amp_run, tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_plot_of_a_run_that_scales_no_loss_says_so(amp_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    model, opt = amp_run  # BF16: no loss scaling
+    x, y = _data()
+    _step(model, opt, x, y)
+    with pytest.raises(StateError, match=r"this run scales no loss \(torch.bfloat16, loss scale 1.0\), so it has no "
+                                         r"loss-scale history to plot; amp_patch.counters\(\) has its steps"):
+        amp_patch.plot(tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_plot_without_matplotlib_names_the_extra(amp_run, tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
