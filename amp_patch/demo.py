@@ -286,7 +286,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Train the Paddle AMP tutorial's SimpleNet in FP32, O1 and O2 and compare them.",
     )
     p.add_argument("--size", type=int, default=1024, help="input and output width of each Linear (default 1024)")
-    p.add_argument("--batch-size", type=int, default=256, help="rows per batch, a multiple of 8 (default 256)")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="rows per batch (default 256; multiples of 8 suit GPU Tensor Cores)")
     p.add_argument("--batches", type=int, default=8, help="batches of random data (default 8)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the batches (default 2)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (default 2)")
