@@ -110,6 +110,8 @@ def _cmd_run(tokens: Sequence[str]) -> int:
             _script_globals.append(tb.tb_frame.f_globals)
         if not isinstance(e, Exception):  # SystemExit and KeyboardInterrupt pass through untouched
             raise
+        if tb is e.__traceback__ and isinstance(e, SyntaxError):
+            tb = None  # the script did not compile: Python shows the line and the caret only
         # Print it as `python script.py` would: from the script's first frame.
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         return 1

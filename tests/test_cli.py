@@ -132,6 +132,17 @@ def test_script_traceback_is_printed_as_python_prints_it(tmp_path, capsys, monke
     assert not amp_patch.is_initialized()
 
 
+def test_a_script_that_does_not_compile_is_reported_as_python_reports_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    script = write(tmp_path, "broken.py", "x = 1\ndef f(:\n    pass\n")
+    want = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert cli.main(["run", str(script)]) == want.returncode == 1
+    err = capsys.readouterr().err
+    got = [line for line in err.splitlines() if "AmpWarning" not in line and "sys.exit" not in line]
+    assert got == want.stderr.splitlines() and got[-1] == "SyntaxError: invalid syntax"
+    assert not amp_patch.is_initialized()
+
+
 # --------------------------------------------------------------------- lists
 
 
