@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _state, compat, fused, master
 from ._cast import CASTABLE, LOW, cast, needs_cast
@@ -349,6 +350,46 @@ class _Unconvert:
             mod.flatten_parameters()
 
 
+class _StrayStepGuard:
+    """Refuses the step of an optimizer that ``initialize`` never saw, over the
+    half parameters of a model it converted (O2/O5), naming the fix.
+
+    Such an optimizer (built after ``initialize(model)``, or a second one over
+    the same model) would update the half weights directly, with no FP32
+    masters and no loss scaling. A global optimizer step pre-hook, removed
+    when called as the undo callback; an attached optimizer returns at once.
+    """
+
+    def __init__(self, amp: Any):
+        self.amp = amp
+        self.seen: Tuple[int, frozenset] = (-1, frozenset())
+        self.handle = register_optimizer_step_pre_hook(self.check)
+
+    def _halves(self) -> frozenset:
+        models = self.amp.models
+        if self.seen[0] != len(models):  # a later initialize may have added models
+            ids = frozenset(id(p) for m in models for p in m.parameters() if p.dtype in LOW)
+            self.seen = (len(models), ids)
+        return self.seen[1]
+
+    def check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self.amp.optimizer_handles or _state.current() is not self.amp:
+            return
+        halves = self._halves()
+        if any(id(p) in halves for g in optimizer.param_groups for p in g["params"]):
+            level = self.amp.props.opt_level
+            raise StateError(
+                f"{type(optimizer).__name__}.step() would update half-precision weights of a model "
+                f"amp_patch converted at {level}, but this optimizer was not given to initialize, so it "
+                f"has no FP32 master weights and no loss scaling. Pass it to initialize "
+                f"(model, optimizer = amp_patch.initialize(model, optimizer, opt_level={level!r})), or "
+                f"attach it where it is created: optimizer = amp_patch.adopt_optimizer(optimizer)."
+            )
+
+    def __call__(self) -> None:
+        self.handle.remove()
+
+
 class _Release:
     """Undo callback: an optimizer's masters back to the model's parameters."""
 
@@ -385,6 +426,8 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
             rec = _hook_only(m, save_dtype)
             amp.model_handles.append(rec)
             amp.undo_callbacks.append(_Unconvert(rec))
+    if props.master_weights and models and not any(isinstance(cb, _StrayStepGuard) for cb in amp.undo_callbacks):
+        amp.undo_callbacks.append(_StrayStepGuard(amp))
     for opt in optimizers:
         handle = scaling.handle(amp, opt)
         if props.master_weights and handle.masters is None:

@@ -580,3 +580,36 @@ def test_cast_model_type_and_half_dtype_that_disagree_are_refused():
     with pytest.raises(ConfigError, match=r"cast_model_type=torch.bfloat16 and half_dtype=torch.float16 disagree"):
         amp_patch.initialize(model, opt_level="O2", cast_model_type=torch.bfloat16, half_dtype="float16")
     assert model.weight.dtype == f32 and not amp_patch.is_initialized()
+
+
+def test_an_optimizer_initialize_never_saw_is_refused_at_its_first_step_with_the_fix():
+    """Built after initialize(model) (or a second one over the model), an optimizer
+    would update the half weights with no masters and no loss scaling: its step
+    raises, naming initialize and adopt_optimizer; nothing else is affected."""
+    from torch.optim import optimizer as optim_module
+
+    hooks = len(optim_module._global_optimizer_pre_hooks)
+    model, other = nn.Linear(4, 2), nn.Linear(4, 2)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)  # a model amp_patch does not manage
+    with amp(model, None, "O2", half_dtype="float16"):
+        late = torch.optim.SGD(model.parameters(), lr=0.1)
+        (model(torch.randn(2, 4, dtype=f16)).float().sum() * 1e-3).backward()  # scaled by 2**16: stays finite
+        before = model.weight.detach().clone()
+        with pytest.raises(amp_patch.StateError, match=r"SGD.step\(\) would update half-precision weights of a model "
+                           r"amp_patch converted at O2, .*amp_patch.adopt_optimizer\(optimizer\)"):
+            late.step()
+        assert torch.equal(model.weight, before)
+        other(torch.randn(2, 4)).sum().backward()
+        other_opt.step()  # untouched by the guard
+        late = amp_patch.adopt_optimizer(late)
+        late.zero_grad()
+        (model(torch.randn(2, 4, dtype=f16)).float().sum() * 1e-3).backward()  # scaled by 2**16: stays finite
+        late.step()
+        assert amp_patch.counters()["steps"] == 1 and not torch.equal(model.weight, before)
+        second = torch.optim.Adam(model.parameters())
+        (model(torch.randn(2, 4, dtype=f16)).float().sum() * 1e-3).backward()  # scaled by 2**16: stays finite
+        with pytest.raises(amp_patch.StateError, match="Adam.step"):
+            second.step()
+    assert len(optim_module._global_optimizer_pre_hooks) == hooks  # the guard leaves with the run
+    model(torch.randn(2, 4)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # FP32 again, any optimizer
