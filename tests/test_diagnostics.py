@@ -300,12 +300,27 @@ class _Amplify(nn.Module):
         return self.fc(x) * 1e5  # an operator: Tensor.__mul__ runs it
 
 
-def _armed(model, level, tmp_path=None, **kw):
+def _provenance_of_one_step(model, x, level):
+    """find_overflow's verdict on one FP16 step of ``model`` at ``level``."""
     amp_patch.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, half_dtype=f16,
-                         find_overflow=True, verbosity=0, **kw)
+                         find_overflow=True, verbosity=0)
     scaler = _Scaler()
     _state.current().scalers.append(scaler)
-    return _state.current(), scaler
+    try:
+        model(x).float().sum().backward()
+        return _skip(_state.current(), scaler)[0]
+    finally:
+        amp_patch.deinitialize()
+
+
+def _output_under_o1_with(model, x, override, tmp_path):
+    """The model's output at O1 FP16 with ``override`` (YAML text) as its op lists."""
+    (tmp_path / "fix.yaml").write_text(override)
+    amp_patch.initialize(model, opt_level="O1", half_dtype=f16, lists=str(tmp_path / "fix.yaml"), verbosity=0)
+    try:
+        return model(x)
+    finally:
+        amp_patch.deinitialize()
 
 
 def test_an_operator_overflow_gets_an_override_that_reaches_the_operator(tmp_path):
@@ -314,20 +329,10 @@ def test_an_operator_overflow_gets_an_override_that_reaches_the_operator(tmp_pat
     torch.manual_seed(0)
     model = _Amplify()
     x = torch.ones(2, 8)
-    amp, scaler = _armed(model, "O1")
-    try:
-        model(x).float().sum().backward()
-        prov, _, _ = _skip(amp, scaler)
-    finally:
-        amp_patch.deinitialize()
+    prov = _provenance_of_one_step(model, x, "O1")
     assert (prov.kind, prov.op, prov.dtype) == ("output", "torch.Tensor.mul", "float16")
     assert prov.yaml == "torch.Tensor:\n  float: [mul, __mul__, __rmul__]\n"
-    (tmp_path / "fix.yaml").write_text(prov.yaml)
-    amp_patch.initialize(model, opt_level="O1", half_dtype=f16, lists=str(tmp_path / "fix.yaml"), verbosity=0)
-    try:
-        out = model(x)
-    finally:
-        amp_patch.deinitialize()
+    out = _output_under_o1_with(model, x, prov.yaml, tmp_path)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
@@ -337,12 +342,7 @@ def test_at_o2_the_fix_names_what_works_at_that_level(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.ReLU(), nn.Sequential(_one_layer(3000.0)))
     x = torch.full((2, 8), 10.0)
-    amp, scaler = _armed(model, "O2")
-    try:
-        model(x).float().sum().backward()
-        prov, _, _ = _skip(amp, scaler)
-    finally:
-        amp_patch.deinitialize()
+    prov = _provenance_of_one_step(model, x, "O2")
     assert (prov.op, prov.module, prov.dtype) == ("torch.nn.functional.linear", "1.0.fc", "float16")
     assert str(prov).endswith(
         "\nThis opt level runs the whole model in float16; op lists do not apply to it. "
@@ -351,12 +351,7 @@ def test_at_o2_the_fix_names_what_works_at_that_level(tmp_path):
         "opt_level='O1' runs only listed ops in float16 and takes this override (lists='amp_fp32.yaml'):\n"
         "  torch.nn.functional:\n    float: [linear]"
     )
-    (tmp_path / "fix.yaml").write_text(prov.yaml)
-    amp_patch.initialize(model, opt_level="O1", half_dtype=f16, lists=str(tmp_path / "fix.yaml"), verbosity=0)
-    try:
-        out = model(x)
-    finally:
-        amp_patch.deinitialize()
+    out = _output_under_o1_with(model, x, prov.yaml, tmp_path)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
