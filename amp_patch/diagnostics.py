@@ -34,13 +34,13 @@ import warnings
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import wrapt
 
 from . import _modes, _state
 from ._cast import LOW
 from .errors import StateError
 from .oplists import NAMESPACES, OPERATOR_FORMS
 from .stats import dtype_name
+from .wrappers import wrapt_has_c_extension
 
 log = logging.getLogger("amp_patch")
 
@@ -112,15 +112,6 @@ def speed_warnings(props: Any, device_type: str, native_bf16: bool) -> List[str]
             f"model to a GPU."
         ]
     return []
-
-
-def wrapt_has_c_extension() -> bool:
-    """True when ``wrapt.FunctionWrapper`` is wrapt's C type, not its pure-Python fallback."""
-    try:
-        from wrapt import _wrappers
-    except ImportError:
-        return False
-    return wrapt.FunctionWrapper is getattr(_wrappers, "FunctionWrapper", None)
 
 
 def wrapper_warnings(props: Any, c_extension: bool) -> List[str]:
@@ -434,11 +425,10 @@ class Provenance:
                 f"loss scale at work: a dynamic scale lowers itself and retries. If it keeps happening, "
                 f"run the op that produces that input in float32."
             )
+        body = "\n".join("  " + line for line in (self.yaml or "").splitlines())
         if self.yaml and self.patching:
-            body = "\n".join("  " + line for line in self.yaml.splitlines())
             text += f"\nTo run it in float32, add to an op-list override (initialize(..., lists='amp_fp32.yaml')):\n{body}"
         elif self.yaml:
-            body = "\n".join("  " + line for line in self.yaml.splitlines())
             keep = (
                 f" initialize(..., keep_fp32=[{self.module!r}]) runs that module in float32 (its output "
                 f"still returns to {self.dtype}, so this helps when the overflow is inside it);"

@@ -167,6 +167,13 @@ class MasterWeights:
         if self.halfs:
             torch._foreach_copy_(self.halfs, self.masters)
 
+    def consumed(self) -> None:
+        """A step (taken or skipped) used up the masters' gradients: the next
+        backward starts a new sum even if only ``model.zero_grad()`` (which
+        cannot reach the masters) ran, and an earlier zero_grad no longer counts."""
+        self.carried = False
+        self.zeroed = False
+
     def zero_model_grads(self, set_to_none: bool) -> None:
         """Clear the half parameters' gradients (the optimizer clears the masters').
 

@@ -37,7 +37,7 @@ import torch
 import yaml
 
 from .errors import ListError
-from .wrappers import POLICIES
+from .wrappers import INPLACE_DUNDERS, POLICIES
 
 log = logging.getLogger("amp_patch")
 
@@ -378,8 +378,8 @@ def inplace_name(name: str) -> Optional[str]:
     and in-place names have none.
     """
     if name.startswith("__") and name.endswith("__"):
-        core = name[2:-2]
-        return None if core.startswith(("r", "i")) else f"__i{core}__"
+        dunder = f"__i{name[2:]}"
+        return dunder if dunder in INPLACE_DUNDERS else None
     if name.startswith("_") or name.endswith("_"):
         return None
     return name + "_"

@@ -403,10 +403,7 @@ def _step(self, *args: Any, **kwargs: Any) -> Any:
             mw.refresh()
         h.steps += 1
     if mw is not None:
-        # This step consumed the masters' gradients: the next backward starts a
-        # new sum even if only model.zero_grad() (which cannot reach the masters) ran.
-        mw.carried = False
-        mw.zeroed = False
+        mw.consumed()
     return None if skip else out
 
 
@@ -440,7 +437,7 @@ def _fused_step(run: Run, h: Handle) -> bool:
         if h.verdict:  # as the plain step: the verdict stands until the next backward
             h.fused.drop_grads(plan)
             h.skipped += 1
-            mw.carried = mw.zeroed = False
+            mw.consumed()
             h.unscaled = False
             return True
         h.verdict = None
@@ -454,7 +451,7 @@ def _fused_step(run: Run, h: Handle) -> bool:
         h.originals["step"]()
         mw.refresh()
     h.steps += 1
-    mw.carried = mw.zeroed = False
+    mw.consumed()
     h.unscaled = False
     return True
 

@@ -383,14 +383,9 @@ def _inplace(policy, qualname, live, ledger=None):
             return out
         if record is None:
             return wrapped(receiver, *cast(rest, to, None), **cast(kwargs, to, None))
-        counter = [0, 0]
-
-        def count(nbytes):
-            counter[0] += 1
-            counter[1] += nbytes
-
-        out = wrapped(receiver, *cast(rest, to, None, count), **cast(kwargs, to, None, count))
-        record(qualname, policy, out, counter[0], counter[1])
+        n = _Counter()
+        out = wrapped(receiver, *cast(rest, to, None, n), **cast(kwargs, to, None, n))
+        record(qualname, policy, out, n.casts, n.nbytes)
         return out
 
     return wrapper
@@ -427,6 +422,19 @@ def _banned(qualname, half, fix, live):
     return wrapper
 
 
+class _Counter:
+    """The casts one call made, for the op ledger: ``cast(..., stats=counter)`` calls it."""
+
+    __slots__ = ("casts", "nbytes")
+
+    def __init__(self) -> None:
+        self.casts = self.nbytes = 0
+
+    def __call__(self, nbytes: int) -> None:
+        self.casts += 1
+        self.nbytes += nbytes
+
+
 def _instrumented(qualname, policy, plan, cache, ledger, live):
     """The same call path with the op ledger recording it (``collect_stats``)."""
     record = ledger.record
@@ -439,14 +447,9 @@ def _instrumented(qualname, policy, plan, cache, ledger, live):
             out = wrapped(*args, **kwargs)
             record(qualname, policy, out, 0, 0)
             return out
-        counter = [0, 0]
-
-        def count(nbytes):
-            counter[0] += 1
-            counter[1] += nbytes
-
-        out = wrapped(*cast(args, to, cache, count), **cast(kwargs, to, cache, count))
-        record(qualname, policy, out, counter[0], counter[1])
+        n = _Counter()
+        out = wrapped(*cast(args, to, cache, n), **cast(kwargs, to, cache, n))
+        record(qualname, policy, out, n.casts, n.nbytes)
         return out
 
     return wrapper
@@ -479,6 +482,15 @@ class _DecoratorPolicy:
             return wrapped(*cast(args, to, amp.cache), **cast(kwargs, to, amp.cache))
 
         return wrapper(fn)
+
+
+def wrapt_has_c_extension() -> bool:
+    """True when ``wrapt.FunctionWrapper`` is wrapt's C type, not its pure-Python fallback."""
+    try:
+        from wrapt import _wrappers
+    except ImportError:
+        return False
+    return wrapt.FunctionWrapper is getattr(_wrappers, "FunctionWrapper", None)
 
 
 # The C fast path (built from _fastpath.c when a compiler was there at install;
