@@ -98,7 +98,11 @@ def initialize(
         cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
         master_weights, loss_scale, cast_model_outputs: Apex's property
             overrides; None keeps the opt level's value. Strings such as
-            ``"True"`` and ``"dynamic"`` are accepted as in Apex.
+            ``"True"`` and ``"dynamic"`` are accepted as in Apex. Unlike
+            Apex's O1, ``cast_model_outputs`` defaults to ``torch.float32`` at
+            every level, so code written for FP32 outputs (``.numpy()``, which
+            has no bfloat16) keeps working; pass the half dtype to keep half
+            outputs.
         num_losses: how many losses get their own loss scaler (``loss_id``).
         verbosity: 0 silences the informational messages.
         min_loss_scale: floor of the dynamic loss scale (None: amp_patch's
@@ -128,7 +132,7 @@ def initialize(
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights,
         loss_scale=loss_scale,
-        cast_model_outputs=cast_model_outputs,
+        cast_model_outputs=torch.float32 if cast_model_outputs is None else cast_model_outputs,
         min_loss_scale=min_loss_scale,
     )
     overrides = {k: v for k, v in overrides.items() if v is not None}

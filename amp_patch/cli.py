@@ -63,6 +63,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--half-dtype", metavar=HALF_CHOICES, help="low-precision dtype (default $AMP_PATCH_HALF_DTYPE, else FP16 on CUDA, BF16 on CPU)")
     p.add_argument("--lists", metavar="FILE.yaml", action="append", default=[], help="op-list override; repeatable (added to $AMP_PATCH_LISTS)")
     p.add_argument("--loss-scale", metavar="dynamic|FLOAT", help="loss scale (default $AMP_PATCH_LOSS_SCALE, else the opt level's)")
+    p.add_argument("--outputs", metavar="float32|half", help="dtype of the models' outputs (default $AMP_PATCH_OUTPUTS, else float32: "
+                   "code written for FP32, such as .numpy(), keeps working; half keeps what the model computed)")
     return p
 
 
@@ -96,7 +98,8 @@ def _cmd_run(tokens: Sequence[str]) -> int:
     try:
         settings = launcher.Settings.resolve(
             ns.opt_level, ns.half_dtype, ns.loss_scale, ns.lists,
-            names={"opt_level": "--opt-level", "half_dtype": "--half-dtype", "loss_scale": "--loss-scale"},
+            names={"opt_level": "--opt-level", "half_dtype": "--half-dtype", "loss_scale": "--loss-scale", "outputs": "--outputs"},
+            outputs=ns.outputs,
         )
         launcher.check_script(script)
     except AmpError as e:

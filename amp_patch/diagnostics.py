@@ -53,10 +53,16 @@ _warned: set = set()
 _PKG_DIR = _modes._PKG_DIR
 
 
+_SKIP_FRAMES = (_PKG_DIR,) + _modes._LIBRARY_DIRS + ("<frozen",)
+
+
 def _stacklevel() -> int:
-    # Point the warning at the user's line that called into amp_patch.
+    """The ``stacklevel`` that points a warning at the user's line: the first
+    frame outside amp_patch, torch, wrapt and Python's frozen modules (the
+    launcher's ``runpy``), so a warning raised from a patched call, an
+    optimizer hook or the launcher names the script's own line."""
     level, f = 1, sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
+    while f is not None and f.f_code.co_filename.startswith(_SKIP_FRAMES):
         f = f.f_back
         level += 1
     return level
@@ -67,6 +73,16 @@ def _warn_once(message: str) -> None:
         return
     _warned.add(message)
     warnings.warn(message, AmpWarning, stacklevel=_stacklevel())
+
+
+def forget_warned(messages: Sequence[str]) -> None:
+    """Let once-only warnings that were held back and dropped be given again."""
+    _warned.difference_update(messages)
+
+
+def warn_user(message: str, category: type = None) -> None:
+    """Warn (``AmpWarning`` unless ``category`` says otherwise), pointing at the user's line."""
+    warnings.warn(message, category or AmpWarning, stacklevel=_stacklevel())
 
 
 # ------------------------------------------------------------ initialize

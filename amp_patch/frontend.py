@@ -199,6 +199,8 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     if prov is not None and getattr(prov, "provisional", None) is not None:
         half_dtype = prov.provisional.get("half_dtype") if half_dtype is None else half_dtype
         lists = prov.provisional.get("lists") if lists is None else lists
+        if overrides.get("cast_model_outputs") is None and prov.provisional.get("cast_model_outputs") is not None:
+            overrides["cast_model_outputs"] = prov.provisional["cast_model_outputs"]
         _teardown(prov)
     options = {k: overrides.pop(k) for k in list(overrides) if k in EXTRA_OPTIONS}
     options["verbosity"] = verbosity

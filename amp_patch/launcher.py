@@ -23,7 +23,7 @@ names its own) and the launcher steps aside for the rest of the run.
 
 Every switch is also an environment variable, for launchers that cannot pass
 flags (``torchrun``): ``AMP_PATCH_OPT_LEVEL``, ``AMP_PATCH_HALF_DTYPE``,
-``AMP_PATCH_LOSS_SCALE`` and ``AMP_PATCH_LISTS``; a flag beats its variable.
+``AMP_PATCH_LOSS_SCALE``, ``AMP_PATCH_OUTPUTS`` and ``AMP_PATCH_LISTS``; a flag beats its variable.
 """
 from __future__ import annotations
 
@@ -35,12 +35,14 @@ import os
 import runpy
 import sys
 import threading
+import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import wrapt
+from torch.nn.modules.module import register_module_forward_pre_hook
 
-from . import _state, oplists
+from . import _state, diagnostics, oplists
 from ._patch import Patcher
 from .errors import ConfigError
 from .properties import OPT_LEVELS, parse_dtype, resolve
@@ -50,6 +52,8 @@ log = logging.getLogger("amp_patch")
 ENV_OPT_LEVEL = "AMP_PATCH_OPT_LEVEL"
 ENV_HALF_DTYPE = "AMP_PATCH_HALF_DTYPE"
 ENV_LOSS_SCALE = "AMP_PATCH_LOSS_SCALE"
+ENV_OUTPUTS = "AMP_PATCH_OUTPUTS"
+OUTPUT_CHOICES = ("float32", "half")
 ENV_LISTS = oplists.ENV_VAR  # read by oplists itself, wherever lists are loaded
 
 _NOTSET = object()
@@ -69,6 +73,10 @@ class Settings:
     half_dtype: Optional[torch.dtype] = None
     loss_scale: Union[str, float, None] = None
     lists: Tuple[str, ...] = ()
+    #: "float32": the models' floating outputs come back in FP32 (Apex's
+    #: cast_model_outputs), so code written for FP32 (numpy, which has no
+    #: bfloat16) keeps working; "half": as the model computed them
+    outputs: str = "float32"
 
     @classmethod
     def resolve(
@@ -78,12 +86,13 @@ class Settings:
         loss_scale: Any = None,
         lists: Sequence[str] = (),
         names: Optional[dict] = None,
+        outputs: Optional[str] = None,
     ) -> "Settings":
         """Validate explicit values, falling back to the environment variables.
 
         Args:
-            opt_level, half_dtype, loss_scale, lists: explicit values (None:
-                take the environment variable, then the default).
+            opt_level, half_dtype, loss_scale, lists, outputs: explicit values
+                (None: take the environment variable, then the default).
             names: how to name each explicit input in error messages, e.g.
                 ``{"opt_level": "--opt-level"}``.
 
@@ -117,8 +126,13 @@ class Settings:
         if scale is not None:
             scale = _parse_loss_scale(scale, where)
 
+        out, where = pick("outputs", outputs, ENV_OUTPUTS)
+        out = "float32" if out is None else str(out).strip().lower()
+        if out not in OUTPUT_CHOICES:
+            raise ConfigError(f"{where}={out!r} is not an output choice; use float32 (the default) or half")
+
         given = tuple(str(p) for p in lists)
-        settings = cls(level, half, scale, given)
+        settings = cls(level, half, scale, given, out)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         extra = {} if scale is None else {"loss_scale": scale}
         resolve(level, device, half, **extra)  # combinations (e.g. O4 with float16)
@@ -131,6 +145,8 @@ class Settings:
         out: dict = {"half_dtype": self.half_dtype, "lists": list(self.lists) or None}
         if self.loss_scale is not None:
             out["loss_scale"] = self.loss_scale
+        if self.outputs == "float32" and self.opt_level != "O0":
+            out["cast_model_outputs"] = torch.float32
         return out
 
 
@@ -281,6 +297,11 @@ class Session:
         self.stepped_aside = False
         self._hook: Optional[OptimizerHook] = None
         self._alias = False
+        #: initialize's set-up warnings, held until the launcher's level runs
+        #: (the first forward of any module, whose line they then point at),
+        #: and dropped if the script's own initialize replaces that level first
+        self._held: List[Tuple[str, type]] = []
+        self._forward_hook: Any = None  # global forward pre-hook that gives the held warnings
 
     def start(self) -> None:
         """Turn AMP on. Raises ``ConfigError`` if amp_patch is already initialized.
@@ -302,7 +323,7 @@ class Session:
         level = self.settings.opt_level
         try:
             if level in FUNCTION_LEVELS:
-                frontend.initialize(None, None, level, **self.settings.initialize_kwargs())
+                self._holding(frontend.initialize, None, None, level, **self.settings.initialize_kwargs())
                 self._mark(_state.current())
             if level in FUNCTION_LEVELS or level in MODEL_LEVELS:
                 self._hook = OptimizerHook(self._on_optimizer)
@@ -316,6 +337,10 @@ class Session:
         """Undo ``start()``: no hook, no alias, amp_patch deinitialized."""
         from . import alias, frontend
 
+        self._release_held()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         try:
             if self._hook is not None:
                 self._hook.uninstall()
@@ -329,24 +354,58 @@ class Session:
 
     def _mark(self, amp: Any) -> None:
         self.amp = amp
-        amp.provisional = {"half_dtype": self.settings.half_dtype, "lists": list(self.settings.lists) or None}
+        kwargs = self.settings.initialize_kwargs()
+        amp.provisional = {k: kwargs.get(k) for k in ("half_dtype", "lists", "cast_model_outputs")}
 
     def _ours(self) -> bool:
         """True while the running AMP state is the one this session started."""
         current = _state.current()
         if self.stepped_aside or (self.amp is not None and current is not self.amp) or (self.amp is None and current is not None):
-            # The script initialized (or deinitialized) itself: its word wins.
+            # The script initialized (or deinitialized) itself: its word wins,
+            # and warnings about the launcher's level, which never ran, go.
             self.stepped_aside = True
+            diagnostics.forget_warned([m for m, _ in self._held])
+            self._held = []
             return False
         return True
+
+    def _holding(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn`` holding back the warnings it gives, until the first forward of a module."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = fn(*args, **kwargs)
+        self._held += [(str(w.message), w.category) for w in caught]
+        if self._held and self._forward_hook is None:
+            self._forward_hook = register_module_forward_pre_hook(self._first_forward)
+        return out
+
+    def _first_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._forward_hook.remove()
+        self._forward_hook = None
+        if self._ours():
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """Give the held set-up warnings, pointing at the script's line that runs now."""
+        held, self._held = self._held, []
+        if held and not self.stepped_aside and self.amp is not None and _state.current() is self.amp:
+            for message, category in held:
+                diagnostics.warn_user(message, category)
 
     def _on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._ours():
             return
         if self.settings.opt_level in FUNCTION_LEVELS:
-            from . import scaling
+            from . import model as model_side, scaling
 
             scaling.adopt_optimizer(optimizer)
+            amp = _state.current()
+            if amp.props.cast_model_outputs is not None:
+                try:
+                    model = owning_model(optimizer)
+                except ConfigError:
+                    return  # no single model: nothing to cast the outputs of
+                model_side.cast_outputs(amp, model)
             return
         from . import frontend
 
@@ -362,7 +421,7 @@ class Session:
         if self.amp is not None:
             self.amp.provisional = None
         try:
-            frontend.initialize(model, optimizer, self.settings.opt_level, **self.settings.initialize_kwargs())
+            self._holding(frontend.initialize, model, optimizer, self.settings.opt_level, **self.settings.initialize_kwargs())
         finally:
             if self.amp is not None:
                 self.amp.provisional = saved

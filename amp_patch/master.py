@@ -65,9 +65,32 @@ class MasterWeights:
         #: since the last step: a master its backward does not reach then steps on
         #: zeros, as an FP32 parameter would, instead of being skipped
         self.zeroed = False
+        #: each master's version counter at the last sync, once state_dict handed out views
+        self.versions: Optional[List[int]] = None
 
     def __len__(self) -> int:
         return len(self.halfs)
+
+    # ------------------------------------------------------------ writes through state_dict
+
+    def watch(self) -> None:
+        """``model.state_dict()`` handed out views of the masters: from now on a
+        write into one (``sd[k].copy_(v)``, as plain torch allows) reaches the
+        half model before its next forward (``sync_written``)."""
+        if self.versions is None:
+            self.versions = [m._version for m in self.masters]
+
+    @torch.no_grad()
+    def sync_written(self) -> None:
+        """Copy every master written since the last look into its half parameter."""
+        versions = self.versions
+        if versions is None:
+            return
+        for i, m in enumerate(self.masters):
+            v = m._version
+            if v != versions[i]:
+                self.halfs[i].copy_(m)
+                versions[i] = v
 
     # ------------------------------------------------------------ building
 
@@ -166,6 +189,8 @@ class MasterWeights:
         """Copy the masters into the half model after a step (one multi-tensor copy)."""
         if self.halfs:
             torch._foreach_copy_(self.halfs, self.masters)
+            if self.versions is not None:
+                self.versions = [m._version for m in self.masters]
 
     def consumed(self) -> None:
         """A step (taken or skipped) used up the masters' gradients: the next

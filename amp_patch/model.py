@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _state, compat, fused, master
+from . import _state, compat, copies, fused, master
 from ._cast import CASTABLE, LOW, cast, needs_cast
 from .errors import ConfigError, StateError
 from .properties import parse_dtype
@@ -94,16 +94,44 @@ class SaveFP32:
             m = master.lookup(amp, p)
             value = state_dict[key]
             if m is not None:
-                if value is p:  # state_dict(keep_vars=True) asks for the variables
-                    state_dict[key] = m if to == f32 else m.detach().to(to)
+                if to == f32:
+                    # a view of the master, as plain torch returns a view of the
+                    # parameter: a write into it reaches the half model too
+                    state_dict[key] = m if value is p else m.detach()
+                    _masters_of(amp, m).watch()
                 else:
-                    state_dict[key] = m.detach() if to == f32 else m.detach().to(to)
+                    state_dict[key] = m.detach().to(to)
             elif p.dtype in LOW and p.dtype != to:
                 state_dict[key] = value.detach().to(to)
         for name, b in module._buffers.items():
             key = prefix + name
             if b is not None and key in state_dict and b.dtype in LOW and b.dtype != to:
                 state_dict[key] = state_dict[key].detach().to(to)
+
+
+def _masters_of(amp: Any, m: Tensor) -> master.MasterWeights:
+    for h in amp.optimizer_handles.values():
+        mw = h.masters
+        if mw is not None and mw.is_master(m):
+            return mw
+    raise LookupError("master without its MasterWeights")
+
+
+class SyncWritten:
+    """Forward pre-hook of a converted model: masters written through a
+    ``state_dict()`` view since the last step reach the half model first."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        amp = _state.current()
+        if amp is None:
+            return
+        for h in amp.optimizer_handles.values():
+            mw = h.masters
+            if mw is not None and mw.versions is not None:
+                mw.sync_written()
+
+    def __repr__(self) -> str:
+        return "amp_patch.SyncWritten()"
 
 
 class LoadIntoMasters:
@@ -134,6 +162,10 @@ class LoadIntoMasters:
             for m, value in pairs:
                 if isinstance(value, Tensor) and value.shape == m.shape:
                     m.copy_(value)
+
+
+#: amp_patch's module hooks: a copy of a converted model drops them (copies.py)
+_HOOK_TYPES = (CastInputs, CastOutputs, SaveFP32, LoadIntoMasters, SyncWritten)
 
 
 # ------------------------------------------------------------------ options
@@ -263,6 +295,7 @@ class _Converted:
         self.buffers: List[Tuple[nn.Module, str, torch.dtype]] = []  # (module, name, dtype before)
         self.handles: List[Any] = []
         self.rnns: List[nn.Module] = []
+        self.copyable = False  # copies.install ran on the model
 
 
 def _convert(model: nn.Module, dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool, keep: Optional[Filter],
@@ -302,9 +335,21 @@ def _convert(model: nn.Module, dtype: torch.dtype, out_dtype: torch.dtype, keep_
         if changed and isinstance(mod, nn.RNNBase):
             rec.rnns.append(mod)
             mod.flatten_parameters()
+    rec.handles.append(model.register_forward_pre_hook(SyncWritten()))
     rec.handles.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
     rec.handles.append(model.register_forward_hook(CastOutputs(out_dtype)))
+    dtypes: Dict[Any, torch.dtype] = {id(p): d for p, d in rec.params}
+    dtypes.update({(id(mod), name): d for mod, name, d in rec.buffers})
+    copies.install(model, copies.Plan(_fp32_value, dtypes, _HOOK_TYPES))
+    if rec.params:
+        copies.install_save_pretrained(model, rec.params[0][1])
+    rec.copyable = True
     return rec
+
+
+def _fp32_value(param: Tensor) -> Optional[Tensor]:
+    """The exact FP32 value of a converted parameter, where amp_patch holds one (its master)."""
+    return master.lookup(_state.current(), param)
 
 
 def _holds_half(mod: nn.Module) -> bool:
@@ -325,6 +370,18 @@ def _hook_only(model: nn.Module, save_dtype: torch.dtype) -> _Converted:
     return rec
 
 
+def cast_outputs(amp: Any, model: nn.Module) -> None:
+    """At O1/O4 (the model keeps its dtypes): cast ``model``'s floating outputs
+    to ``cast_model_outputs`` (Apex's option), undone with the run. A model
+    whose outputs are cast already is left as it is."""
+    if any(rec.model is model for rec in amp.model_handles):
+        return
+    rec = _Converted(model)
+    rec.handles.append(model.register_forward_hook(CastOutputs(amp.props.cast_model_outputs)))
+    amp.model_handles.append(rec)
+    amp.undo_callbacks.append(_Unconvert(rec))
+
+
 class _Unconvert:
     """Undo callback for one converted model (a class, so the record is inspectable)."""
 
@@ -334,6 +391,8 @@ class _Unconvert:
     @torch.no_grad()
     def __call__(self) -> None:
         rec = self.rec
+        if rec.copyable:
+            copies.remove(rec.model)
         for h in reversed(rec.handles):
             h.remove()
         for p, dtype in rec.params:
@@ -426,6 +485,9 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
             rec = _hook_only(m, save_dtype)
             amp.model_handles.append(rec)
             amp.undo_callbacks.append(_Unconvert(rec))
+    if dtype is None and props.cast_model_outputs is not None:
+        for m in models:
+            cast_outputs(amp, m)
     if props.master_weights and models and not any(isinstance(cb, _StrayStepGuard) for cb in amp.undo_callbacks):
         amp.undo_callbacks.append(_StrayStepGuard(amp))
     for opt in optimizers:

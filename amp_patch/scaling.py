@@ -35,7 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _state, master
+from . import _state, diagnostics, leaves, master
 from .errors import ConfigError, OverflowLoopError, StateError
 from .scaler import LossScaler
 from .wrappers import OpWrapper, switch
@@ -146,6 +146,7 @@ class Run:
         self.dirty = False  # something awaits a transfer or a verdict
         self.plain = False  # the patched backward has work to do
         self.notices = _Notices(opts.get("verbosity", 1))
+        self.warned_foreign = False  # said once that a backward reached an unattached optimizer's parameters
 
     def refresh_plain(self) -> None:
         self.plain = bool(self.handles) and (
@@ -351,8 +352,6 @@ def _verdict(run: Run) -> None:
 
 
 def _on_overflow(run: Run, loss_id: int, scaler: LossScaler, before: float) -> None:
-    from . import diagnostics
-
     change = f"loss scale {before:g} -> {scaler.scale:g}" if scaler.scale != before else f"loss scale stays {scaler.scale:g}"
     run.notices.overflow(f"amp_patch: inf/NaN gradients from loss {loss_id}; skipping the step ({change})")
     diagnostics.on_skipped_step(run.amp, loss_id, scaler)
@@ -624,6 +623,29 @@ class _Forget:
         _runs.pop(self.amp, None)
 
 
+def guard_foreign(run: Run, loss: Tensor, handles: Sequence[Handle], loss_id: int, scale: float) -> Tuple[bool, List[Any]]:
+    """Before a backward of ``loss`` scaled by ``scale``: hook every leaf it
+    reaches that no attached optimizer owns so its gradient arrives unscaled
+    (``leaves.py``), an overflow there counting against ``loss_id``. Returns
+    whether the backward reaches an owned leaf, and the hook handles to remove
+    after it. Warns once per run when such a leaf
+    is a parameter, whose optimizer then steps without overflow checks."""
+    reaches, foreign = leaves.split(loss, leaves.owned_ids(handles))
+    if not foreign or not reaches:
+        return reaches, []
+    params = [t for t in foreign if isinstance(t, torch.nn.Parameter)]
+    if params and not run.warned_foreign and run.notices.verbosity:
+        run.warned_foreign = True
+        diagnostics.warn_user(
+            f"loss.backward() reached {len(params)} parameter(s) that no optimizer given to amp_patch owns "
+            f"({leaves.describe(params)}). Their gradients are unscaled as they accumulate, so they hold "
+            f"true values, but their optimizer's step() is not checked for inf/NaN gradients and is never "
+            f"skipped. Pass that optimizer to initialize (initialize(models, [opt1, opt2], ...)) or attach "
+            f"it with amp_patch.adopt_optimizer(optimizer)."
+        )
+    return reaches, leaves.unscale_on_arrival(foreign, run, loss_id, scale)
+
+
 def make_backward_patch(amp: Any):
     """The ``Tensor.backward`` patch: loss scaling for plain loops, and an empty cast cache.
 
@@ -653,12 +675,21 @@ def make_backward_patch(amp: Any):
                 ):
                     return wrapped(*args, **kwargs)
                 handles = list(run.handles)
-                before_backward(run, handles, 0)
                 scaler = run.scalers[0]
+                hooks: List[Any] = []
+                if scaler.active:
+                    reaches, hooks = guard_foreign(run, instance, handles, 0, scaler.scale)
+                    if not reaches:
+                        # nothing amp_patch unscales: the backward of a model no
+                        # attached optimizer owns runs as written, unscaled
+                        return wrapped(*args, **kwargs)
+                before_backward(run, handles, 0)
                 loss = instance.float() * scaler.scale if scaler.active else instance
                 try:
                     return original(loss, *args, **kwargs)
                 finally:
+                    for hook in hooks:
+                        hook.remove()
                     after_backward(run, handles, 0)
             finally:
                 amp.cache.clear()
@@ -744,13 +775,18 @@ def scale_loss(
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
         raise ConfigError(f"scale_loss: loss_id={loss_id!r} must be an integer in [0, {n}); initialize(num_losses=...) sets how many")
     handles = _handles(amp, optimizers, "scale_loss")
-    before_backward(run, handles, loss_id)
     scaler = run.scalers[loss_id]
+    hooks: List[Any] = []
+    if scaler.active and isinstance(loss, Tensor):
+        hooks = guard_foreign(run, loss, run.handles, loss_id, scaler.scale)[1]
+    before_backward(run, handles, loss_id)
     amp.in_scale_loss += 1
     try:
         yield loss.float() * scaler.scale if scaler.active else loss.float()
     finally:
         amp.in_scale_loss -= 1
+        for hook in hooks:
+            hook.remove()
         after_backward(run, handles, loss_id)
 
 

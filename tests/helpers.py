@@ -14,7 +14,7 @@ import amp_patch
 from amp_patch import launcher, wrappers
 
 #: every environment variable amp_patch reads
-ENV = (launcher.ENV_OPT_LEVEL, launcher.ENV_HALF_DTYPE, launcher.ENV_LOSS_SCALE, launcher.ENV_LISTS)
+ENV = (launcher.ENV_OPT_LEVEL, launcher.ENV_HALF_DTYPE, launcher.ENV_LOSS_SCALE, launcher.ENV_LISTS, launcher.ENV_OUTPUTS)
 
 #: a C compiler is here, so every install must build the C fast path
 HAS_C_COMPILER = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is not None
