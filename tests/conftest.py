@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch._appdirs  # noqa: F401  torch.compile imports these two lazily, which
 import torch._thread_safe_fork  # noqa: F401  adds them to vars(torch) mid-test.
+import torch.numa  # noqa: F401  so does transformers' save_pretrained with this one
 import torch.nn.functional as F
 from torch.utils.data._utils import fetch
 

@@ -108,7 +108,8 @@ def test_initialize_after_enabled_false_enables(net):
     try:
         amp.initialize(model, opt, opt_level="O1", verbosity=0)
         assert amp_patch.is_initialized()
-        assert model(torch.randn(2, 4)).dtype == torch.bfloat16
+        assert model[0](torch.randn(2, 4)).dtype == torch.bfloat16  # cast inside
+        assert model(torch.randn(2, 4)).dtype == torch.float32  # FP32 outputs: cast_model_outputs
     finally:
         amp_patch.deinitialize()
 

@@ -93,7 +93,7 @@ def test_yaml_override_moves_ops():
 def test_apex_era_script_through_the_launcher():
     out = run_example("apex_era_script.py", "--steps", "6", launcher=True)
     assert "apex.amp is amp_patch.amp" in out
-    assert "logits dtype: torch.bfloat16" in out
+    assert "logits dtype: torch.float32" in out  # model outputs come back in FP32 (cast_model_outputs)
     first = _number(r"step 0: loss ([\d.]+)", out)
     last = _number(r"step 5: loss ([\d.]+)", out)
     assert last < first

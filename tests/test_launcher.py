@@ -298,7 +298,8 @@ TRAIN = """
 def test_o1_adopts_every_optimizer_the_script_builds(tmp_path, adopted):
     script = write(tmp_path, "train.py", TRAIN.format(own=""))
     out = launcher.run(str(script), [], Settings.resolve(opt_level="O1"))
-    assert out["out"].dtype == torch.bfloat16  # CPU default half dtype
+    assert out["out"].dtype == torch.float32  # the model's outputs come back in FP32
+    assert out["state"].props.half_dtype == torch.bfloat16  # CPU default half dtype
     assert adopted == [out["optimizer"], out["later"]]
     assert out["state"] is out["launcher_state"]
 
@@ -325,7 +326,7 @@ def test_the_scripts_own_initialize_wins_without_double_patching(tmp_path, adopt
     assert state is not out["launcher_state"] and getattr(state, "provisional", None) is None
     assert state.props.half_dtype == torch.float16  # the launcher's flag carries over
     assert out["patches"] == out["launcher_patches"]  # replaced, not patched on top
-    assert out["out"].dtype == torch.float16
+    assert out["out"].dtype == torch.float32  # the launcher's --outputs default carries over too
     # The launcher stepped aside: the optimizer built after the script's call is the script's business.
     assert adopted == [out["optimizer"]]
     assert not amp_patch.is_initialized()

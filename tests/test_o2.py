@@ -202,15 +202,17 @@ def test_no_forward_closure_deepcopy_pickle_and_dataparallel_work():
     with amp(model, opt, "O2"):
         assert "forward" not in vars(model)
         x, y = batch()
+        # a copy is a plain FP32 model holding the masters' values (copies.py)
         twin = copy.deepcopy(model)
-        assert twin(x).dtype == f32 and torch.equal(twin(x), model(x))
+        assert twin(x).dtype == f32
+        torch.testing.assert_close(twin(x), model(x), rtol=2e-2, atol=2e-2)
         back = pickle.loads(pickle.dumps(model))
-        assert torch.equal(back(x), model(x))
+        assert torch.equal(back(x), twin(x))
         dp = nn.DataParallel(model)
         F.mse_loss(dp(x), y).backward()
         opt.step()
-        # the deep copy has no masters: its state dict holds its own values, in FP32
         assert all(v.dtype == f32 for v in twin.state_dict().values())
+        assert all(p.dtype == f32 for p in twin.parameters())
 
 
 def test_torch_compile_runs_the_converted_model():

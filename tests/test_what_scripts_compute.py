@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.numa  # noqa: F401  save_pretrained imports it lazily, which adds it to vars(torch)
 
 import amp_patch
 from amp_patch import launcher
