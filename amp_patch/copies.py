@@ -44,8 +44,9 @@ class Plan:
     """For one converted model: where each tensor's FP32 value comes from."""
 
     def __init__(self, fp32_value: Callable[[Tensor], Optional[Tensor]], dtypes: Dict[Any, torch.dtype],
-                 hook_types: tuple):
+                 hook_types: tuple, exact_buffer: Callable[[nn.Module, str, Tensor], Optional[Tensor]]):
         self.fp32_value = fp32_value  # a parameter's exact FP32 value, or None
+        self.exact_buffer = exact_buffer  # a buffer's exact value from before the cast, or None
         self.dtypes = dtypes  # id(parameter), or (id(module), buffer name) -> dtype before initialize
         self.hook_types = hook_types  # amp_patch's hook classes, dropped from copies
 
@@ -102,7 +103,8 @@ def _to_fp32(old_root: nn.Module, new_root: nn.Module, plan: Plan) -> None:
             dtype = plan.dtypes.get((id(old), name))
             nb = new._buffers.get(name)
             if nb is not None and dtype is not None and nb.dtype != dtype:
-                new._buffers[name] = nb.to(dtype)
+                exact = plan.exact_buffer(old, name, b)
+                new._buffers[name] = exact.clone() if exact is not None else nb.to(dtype)
         for attr in _HOOK_DICTS:
             hooks = getattr(new, attr, None)
             if not hooks:

@@ -284,6 +284,24 @@ def captured_warnings(amp: Any) -> List[str]:
     return out
 
 
+def scripted_warnings(props: Any, models: Sequence[torch.nn.Module]) -> List[str]:
+    """A ``torch.jit.script``-ed module runs its compiled code, which no Python patch reaches."""
+    if not props.patch_torch_functions:
+        return []
+    out = []
+    for i, m in enumerate(models):
+        name = next((n for n, sub in m.named_modules() if isinstance(sub, torch.jit.ScriptModule)), None)
+        if name is not None:
+            what = f"its submodule {name!r}" if name else "it"
+            out.append(
+                f"amp_patch: {_model_label(i, m)}: {what} is torch.jit.script-ed; scripted code calls torch's "
+                f"kernels directly, so amp_patch's casts never reach it and it runs wholly in FP32. Initialize "
+                f"before scripting is pointless too (the script captures the original ops): use the eager "
+                f"module, or torch.autocast inside the scripted code."
+            )
+    return out
+
+
 def warn_at_initialize(amp: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> None:
     """Warn once about set-ups that run slower or otherwise than intended.
 
@@ -300,6 +318,7 @@ def warn_at_initialize(amp: Any, models: Sequence[torch.nn.Module], optimizers: 
         + optimizer_warnings(props, models, optimizers)
         + pure_half_warnings(props, optimizers)
         + captured_warnings(amp)
+        + scripted_warnings(props, models)
     )
     for m in messages:
         _warn_once(m)

@@ -237,6 +237,8 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
             amp.ledger = Ledger()
 
     n_models, n_opts = len(amp.models), len(amp.optimizers)
+    n_undo, n_recs = len(amp.undo_callbacks), len(amp.model_handles)
+    known_opts = set(amp.optimizer_handles)
     try:
         if fresh:
             _state.set_current(amp)
@@ -257,6 +259,14 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         if fresh:
             _teardown(amp)
         else:
+            # a later call that fails pops back to where it started: its
+            # models unconverted, its optimizers without masters or patches
+            for cb in reversed(amp.undo_callbacks[n_undo:]):
+                cb()
+            del amp.undo_callbacks[n_undo:]
+            del amp.model_handles[n_recs:]
+            for key in set(amp.optimizer_handles) - known_opts:
+                del amp.optimizer_handles[key]
             del amp.models[n_models:]
             del amp.optimizers[n_opts:]
         raise

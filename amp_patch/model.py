@@ -102,11 +102,13 @@ class SaveFP32:
                 else:
                     state_dict[key] = m.detach().to(to)
             elif p.dtype in LOW and p.dtype != to:
-                state_dict[key] = value.detach().to(to)
+                exact = _exact_value(p)  # a frozen parameter: its value from before the cast
+                state_dict[key] = exact.detach() if exact is not None and exact.dtype == to else value.detach().to(to)
         for name, b in module._buffers.items():
             key = prefix + name
             if b is not None and key in state_dict and b.dtype in LOW and b.dtype != to:
-                state_dict[key] = state_dict[key].detach().to(to)
+                exact = _exact_buffer(amp, module, name, b)
+                state_dict[key] = exact if exact is not None and exact.dtype == to else state_dict[key].detach().to(to)
 
 
 def _masters_of(amp: Any, m: Tensor) -> master.MasterWeights:
@@ -235,6 +237,15 @@ def validate(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optim
         if amp is not None and id(opt) in amp.optimizer_handles and amp.optimizer_handles[id(opt)].patched:
             raise ConfigError(f"optimizer {i} ({type(opt).__name__}) is already attached; pass each optimizer to initialize once")
     for i, m in enumerate(models):
+        scripted = next((n for n, sub in m.named_modules() if isinstance(sub, torch.jit.ScriptModule)), None)
+        if casts_half and scripted is not None:
+            where = f"its submodule {scripted!r}" if scripted else "it"
+            raise ConfigError(
+                f"model {i} ({type(m).__name__}) cannot be converted at opt_level={props.opt_level!r}: {where} is a "
+                f"torch.jit.script-ed module, whose parameters and compiled code torch does not let amp_patch cast "
+                f"and hook safely. Initialize the plain (unscripted) model and script it afterwards if you must, "
+                f"or use O1/O4, which leave the model as it is."
+            )
         if casts_half and isinstance(m, nn.parallel.DistributedDataParallel):
             raise ConfigError(
                 f"model {i} is wrapped in DistributedDataParallel, which fixed its gradient buckets to FP32. "
@@ -296,11 +307,14 @@ class _Converted:
         self.handles: List[Any] = []
         self.rnns: List[nn.Module] = []
         self.copyable = False  # copies.install ran on the model
+        #: id(parameter) or (id(module), buffer name) -> _Exact, the pre-cast value
+        self.exact: Dict[Any, "_Exact"] = {}
 
 
-def _convert(model: nn.Module, dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool, keep: Optional[Filter],
-             save_dtype: torch.dtype, originals: Dict[int, tuple]) -> _Converted:
-    rec = _Converted(model)
+def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool, keep: Optional[Filter],
+             save_dtype: torch.dtype, originals: Dict[int, tuple]) -> None:
+    """Cast ``rec.model`` in place, recording each change in ``rec`` as it is made."""
+    model = rec.model
     skip = set()
     seen_params = set()
     for name, mod in model.named_modules():
@@ -318,17 +332,23 @@ def _convert(model: nn.Module, dtype: torch.dtype, out_dtype: torch.dtype, keep_
             if p is None or id(p) in seen_params or p.dtype not in CASTABLE or p.dtype == dtype:
                 continue
             seen_params.add(id(p))
-            grad, p.grad = p.grad, None
-            originals[id(p)] = (p.data, grad, p.dtype)
+            grad, old = p.grad, p.data
+            originals[id(p)] = (old, grad, p.dtype)
+            new = old.to(dtype)
+            p.grad = None
             rec.params.append((p, p.dtype))
-            p.data = p.data.to(dtype)
+            exact = rec.exact[id(p)] = _Exact(p, old)
+            p.data = new
+            exact.mark()
             if grad is not None and dtype not in LOW:
                 p.grad = grad.to(dtype)
             changed = True
         for bname, b in mod._buffers.items():
             if b is not None and b.dtype in CASTABLE and b.dtype != dtype:
                 rec.buffers.append((mod, bname, b.dtype))
-                mod._buffers[bname] = b.to(dtype)
+                new = mod._buffers[bname] = b.to(dtype)
+                rec.exact[(id(mod), bname)] = _Exact(new, b)
+                rec.exact[(id(mod), bname)].mark()
                 changed = True
         if changed or _holds_half(mod):
             _checkpoint_hooks(mod, save_dtype, rec)
@@ -340,16 +360,56 @@ def _convert(model: nn.Module, dtype: torch.dtype, out_dtype: torch.dtype, keep_
     rec.handles.append(model.register_forward_hook(CastOutputs(out_dtype)))
     dtypes: Dict[Any, torch.dtype] = {id(p): d for p, d in rec.params}
     dtypes.update({(id(mod), name): d for mod, name, d in rec.buffers})
-    copies.install(model, copies.Plan(_fp32_value, dtypes, _HOOK_TYPES))
+    rec.copyable = True
+    copies.install(model, copies.Plan(_exact_value, dtypes, _HOOK_TYPES,
+                                      lambda mod, name, b: _exact_buffer(_state.current(), mod, name, b)))
     if rec.params:
         copies.install_save_pretrained(model, rec.params[0][1])
-    rec.copyable = True
-    return rec
 
 
-def _fp32_value(param: Tensor) -> Optional[Tensor]:
-    """The exact FP32 value of a converted parameter, where amp_patch holds one (its master)."""
-    return master.lookup(_state.current(), param)
+def _exact_value(param: Tensor) -> Optional[Tensor]:
+    """The exact value from before the cast of a converted parameter: its
+    master's where an optimizer holds one, else the value kept at conversion
+    while the half parameter has not changed since."""
+    amp = _state.current()
+    m = master.lookup(amp, param)
+    if m is not None or amp is None:
+        return m
+    for rec in amp.model_handles:
+        e = rec.exact.get(id(param))
+        if e is not None and e.half is param:
+            return e.value()
+    return None
+
+
+def _exact_buffer(amp: Any, module: nn.Module, name: str, buf: Tensor) -> Optional[Tensor]:
+    """A converted buffer's value from before the cast, while the half one has not changed since."""
+    if amp is None:
+        return None
+    for rec in amp.model_handles:
+        e = rec.exact.get((id(module), name))
+        if e is not None and e.half is buf:
+            return e.value()
+    return None
+
+
+class _Exact:
+    """The pre-cast value of a converted tensor no optimizer owns (a frozen
+    parameter, a buffer), kept so that ``state_dict()``, copies and
+    ``deinitialize`` give it back exactly, as long as the half tensor has not
+    changed since: a frozen parameter never does; a running statistic does,
+    and then its current half value is the truth."""
+
+    __slots__ = ("half", "original", "version")
+
+    def __init__(self, half: Tensor, original: Tensor):
+        self.half, self.original, self.version = half, original, -1
+
+    def mark(self) -> None:
+        self.version = self.half._version
+
+    def value(self) -> Optional[Tensor]:
+        return self.original if self.half._version == self.version else None
 
 
 def _holds_half(mod: nn.Module) -> bool:
@@ -398,13 +458,18 @@ class _Unconvert:
         for p, dtype in rec.params:
             if p.dtype != dtype:  # a parameter with a master is already back (master.restore)
                 grad, p.grad = p.grad, None
-                p.data = p.data.to(dtype)
+                e = rec.exact.get(id(p))
+                exact = e.value() if e is not None and e.half is p else None
+                p.data = exact if exact is not None else p.data.to(dtype)
                 if grad is not None:
                     p.grad = grad.to(dtype)
         for mod, name, dtype in rec.buffers:
             b = mod._buffers.get(name)
             if b is not None and b.dtype != dtype:
-                mod._buffers[name] = b.to(dtype)
+                e = rec.exact.get((id(mod), name))
+                exact = e.value() if e is not None and e.half is b else None
+                mod._buffers[name] = exact if exact is not None else b.to(dtype)
+        rec.exact.clear()
         for mod in rec.rnns:
             mod.flatten_parameters()
 
@@ -476,9 +541,11 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
         out_dtype = props.cast_model_outputs or f32
         save_dtype = _save_dtype(amp.options.get("save_dtype"))
         for m in models:
-            rec = _convert(m, dtype, out_dtype, keep_bn, keep, save_dtype, originals)
+            rec = _Converted(m)
+            # registered before the first change, so a failure half way is undone too
             amp.model_handles.append(rec)
             amp.undo_callbacks.append(_Unconvert(rec))
+            _convert(rec, dtype, out_dtype, keep_bn, keep, save_dtype, originals)
     elif props.master_weights:
         save_dtype = _save_dtype(amp.options.get("save_dtype"))
         for m in models:

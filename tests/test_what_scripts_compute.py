@@ -476,3 +476,80 @@ def test_a_level_the_script_replaces_gives_no_warning(tmp_path, monkeypatch):
     assert not [t for t in texts if "O1 runs" in t[0]], texts
     o2 = [t for t in texts if "O2 runs in float16" in t[0]]
     assert len(o2) == 1 and o2[0][1:] == (str(script), 6)
+
+
+# ------------------------------------------------------------ frozen parameters, failed conversions
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_frozen_parameters_keep_their_exact_fp32_values(level):
+    """The usual frozen-backbone fine-tune: the optimizer holds the head only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("0.")}
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    with amp(model, opt, level, **({"half_dtype": torch.float16} if level == "O2" else {})):
+        assert model[0].weight.dtype in (torch.float16, torch.bfloat16)
+        _train(model, opt)
+        sd = model.state_dict()
+        for k, v in frozen.items():
+            assert torch.equal(sd[k], v), k  # not the half-rounded values
+        twin = copy.deepcopy(model)
+        assert torch.equal(twin[0].weight, frozen["0.weight"])
+    for k, v in frozen.items():
+        assert torch.equal(model.state_dict()[k], v), k  # deinitialize gives them back exactly
+
+
+def test_a_scripted_module_is_refused_at_o2_and_nothing_changes():
+    model = nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Linear(4, 2)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(amp_patch.ConfigError, match=r"its submodule '1' is a torch.jit.script-ed module.*Initialize the plain"):
+        amp_patch.initialize(model, opt, "O2")
+    assert not amp_patch.is_initialized()
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, before[k])
+
+
+def test_a_scripted_module_at_o1_is_named_as_running_in_fp32():
+    model = torch.jit.script(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(amp_patch.AmpWarning, match=r"model 0 \(RecursiveScriptModule\): it is torch.jit.script-ed.*runs wholly in FP32"):
+        amp_patch.initialize(model, opt, "O1")
+    amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("later", [False, True])
+def test_a_conversion_that_fails_half_way_is_undone(monkeypatch, later):
+    """Every step of conversion is undone on a failure, for a first and a later initialize."""
+    from amp_patch import model as model_side
+
+    torch.manual_seed(0)
+    first = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if later:
+        amp_patch.initialize(first, torch.optim.SGD(first.parameters(), lr=0.1), "O2", verbosity=0)
+    calls = []
+    real = model_side._checkpoint_hooks
+
+    def fail_on_second(mod, save_dtype, rec):
+        calls.append(mod)
+        if len(calls) == 2:
+            raise RuntimeError("boom from torch")
+        return real(mod, save_dtype, rec)
+
+    monkeypatch.setattr(model_side, "_checkpoint_hooks", fail_on_second)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            amp_patch.initialize(model, opt, "O2", verbosity=0)
+        assert len(calls) == 2
+        for k, v in model.state_dict().items():
+            assert v.dtype == torch.float32 and torch.equal(v, before[k]), k
+        assert all(not m._forward_pre_hooks and not m._state_dict_hooks for m in model.modules())
+        assert "__deepcopy__" not in vars(model)
+    finally:
+        amp_patch.deinitialize() if amp_patch.is_initialized() else None
