@@ -337,9 +337,8 @@ def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep
             new = old.to(dtype)
             p.grad = None
             rec.params.append((p, p.dtype))
-            exact = rec.exact[id(p)] = _Exact(p, old)
+            rec.exact[id(p)] = _Exact(p, old)
             p.data = new
-            exact.mark()
             if grad is not None and dtype not in LOW:
                 p.grad = grad.to(dtype)
             changed = True
@@ -348,7 +347,6 @@ def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep
                 rec.buffers.append((mod, bname, b.dtype))
                 new = mod._buffers[bname] = b.to(dtype)
                 rec.exact[(id(mod), bname)] = _Exact(new, b)
-                rec.exact[(id(mod), bname)].mark()
                 changed = True
         if changed or _holds_half(mod):
             _checkpoint_hooks(mod, save_dtype, rec)
@@ -396,20 +394,22 @@ def _exact_buffer(amp: Any, module: nn.Module, name: str, buf: Tensor) -> Option
 class _Exact:
     """The pre-cast value of a converted tensor no optimizer owns (a frozen
     parameter, a buffer), kept so that ``state_dict()``, copies and
-    ``deinitialize`` give it back exactly, as long as the half tensor has not
-    changed since: a frozen parameter never does; a running statistic does,
-    and then its current half value is the truth."""
+    ``deinitialize`` give it back exactly, as long as the half tensor still
+    holds it rounded: a frozen parameter always does; a running statistic,
+    which kernels update without bumping a version counter, soon does not,
+    and then its current half value is the truth. The comparison costs one
+    pass over the tensor, paid only by those three (never by a step)."""
 
-    __slots__ = ("half", "original", "version")
+    __slots__ = ("half", "original")
 
     def __init__(self, half: Tensor, original: Tensor):
-        self.half, self.original, self.version = half, original, -1
-
-    def mark(self) -> None:
-        self.version = self.half._version
+        self.half, self.original = half, original
 
     def value(self) -> Optional[Tensor]:
-        return self.original if self.half._version == self.version else None
+        half, original = self.half, self.original
+        if half.device != original.device or half.shape != original.shape:
+            return None
+        return original if torch.equal(original.to(half.dtype), half) else None
 
 
 def _holds_half(mod: nn.Module) -> bool:

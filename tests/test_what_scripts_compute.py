@@ -553,3 +553,18 @@ def test_a_conversion_that_fails_half_way_is_undone(monkeypatch, later):
         assert "__deepcopy__" not in vars(model)
     finally:
         amp_patch.deinitialize() if amp_patch.is_initialized() else None
+
+
+def test_a_half_buffer_the_model_updates_is_saved_as_it_is_now():
+    """At O3 batchnorm is half too: its running statistics change in the
+    forward (kernels do not bump version counters), and state_dict() gives the
+    current values, not the ones from before the cast."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp(model, opt, "O3"):
+        model(torch.randn(16, 4) * 3 + 1)
+        sd = model.state_dict()
+        assert sd["1.running_mean"].dtype == torch.float32
+        assert torch.equal(sd["1.running_mean"], model[1].running_mean.float())
+        assert sd["1.running_mean"].abs().sum() > 0
