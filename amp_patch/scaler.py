@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Deque, Dict, Tuple, Union
+from typing import Any, Deque, Dict, List, Tuple, Union
 
 #: the defaults of Apex and ``torch.amp.GradScaler``
 DEFAULTS: Dict[str, Any] = dict(
@@ -174,12 +174,23 @@ class LossScaler:
         out: Dict[str, Any] = {"loss_scale": self.scale, "unskipped": self.growth_tracker}
         out.update((k, getattr(self, k)) for k in self._COUNTERS)
         out["dynamic"] = self.dynamic
+        out["min_loss_scale"] = self.min_scale
+        out["max_loss_scale"] = self.max_scale
         return out
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> List[str]:
         """Restore ``state_dict()`` output, or Apex's ``{"loss_scale", "unskipped"}``.
 
-        Fields Apex does not have keep their defaults when absent.
+        Fields Apex does not have keep their defaults when absent. This
+        scaler's policy always wins: a checkpoint of another policy (a BF16
+        run's static scale of 1 loaded into a dynamic FP16 run, or the other
+        way round) leaves the scale and growth state as they are and loads
+        only the step counters; a dynamic scale outside this scaler's
+        ``[min_loss_scale, max_loss_scale]`` is clamped into it.
+
+        Returns:
+            what was kept or changed against the checkpoint, one sentence
+            each (empty when it loaded as saved), for the caller to report.
 
         Raises:
             ValueError: a field is missing or has the wrong type.
@@ -195,6 +206,9 @@ class LossScaler:
         scale = _number("loss_scale", state["loss_scale"])
         if scale <= 0:
             raise ValueError(f"loss scaler state has loss_scale={scale!r}; it must be > 0")
+        saved_dynamic = state.get("dynamic")
+        if saved_dynamic is not None and not isinstance(saved_dynamic, bool):
+            raise ValueError(f"loss scaler state has dynamic={saved_dynamic!r}; it must be True or False")
         ints = {}
         defaults = {"unskipped": 0, "hysteresis_left": self.hysteresis}
         for k in ("unskipped",) + self._COUNTERS:
@@ -204,12 +218,29 @@ class LossScaler:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"loss scaler state has {k}={v!r}; it must be an integer >= 0")
             ints[k] = v
+        kind = "dynamic" if self.dynamic else "static"
+        if saved_dynamic is not None and saved_dynamic != self.dynamic:
+            saved_kind = "dynamic" if saved_dynamic else "static"
+            self.steps, self.skipped = ints["steps"], ints["skipped"]
+            return [
+                f"the checkpoint's loss scale is {saved_kind} ({scale:g}) and this run's is {kind}: kept this "
+                f"run's {kind} scale {self.scale:g} and loaded only the step counters"
+            ]
+        notes = []
+        if self.dynamic and not self.min_scale <= scale <= self.max_scale:
+            clamped = min(max(scale, self.min_scale), self.max_scale)
+            notes.append(
+                f"the checkpoint's loss scale {scale:g} lies outside this run's [min_loss_scale, max_loss_scale] = "
+                f"[{self.min_scale:g}, {self.max_scale:g}]: clamped to {clamped:g}"
+            )
+            scale = clamped
         self.scale = scale
         self.active = self.dynamic or scale != 1.0
         self.growth_tracker = ints.pop("unskipped")
         for k, v in ints.items():
             setattr(self, k, v)
         self.hysteresis_left = max(1, min(self.hysteresis_left, self.hysteresis))
+        return notes
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"

@@ -980,19 +980,22 @@ def load_state_dict(state: dict, *, strict: bool = True) -> None:
         warnings.warn(f"{message}. Loading the first {min(len(entries), len(run.scalers))}, as apex.amp did.", stacklevel=3)
     meta = state.get("amp_patch")
     level = meta.get("opt_level") if isinstance(meta, dict) else None
-    if level is not None and level != amp.props.opt_level:
-        warnings.warn(
-            f"amp_patch.load_state_dict: the checkpoint was saved at opt_level={level!r}, this run is "
-            f"{amp.props.opt_level!r}; loading its loss scale anyway",
-            stacklevel=2,
-        )
+    half = meta.get("half_dtype") if isinstance(meta, dict) else None
     for i, (s, entry) in enumerate(zip(run.scalers, entries)):
         try:
             copy.deepcopy(s).load_state_dict(entry)
         except ValueError as e:
             raise ConfigError(f"amp_patch.load_state_dict: loss scaler {i}: {e}") from None
-    for s, entry in zip(run.scalers, entries):
-        s.load_state_dict(entry)
+    notes = []
+    ours = str(amp.props.half_dtype).replace("torch.", "")
+    if half is not None and half != ours:
+        notes.append(f"the checkpoint was saved by a {half} run and this run is {ours}")
+    if level is not None and level != amp.props.opt_level:
+        notes.append(f"the checkpoint was saved at opt_level={level!r} and this run is {amp.props.opt_level!r}")
+    for i, (s, entry) in enumerate(zip(run.scalers, entries)):
+        notes += [f"loss scaler {i}: {n}" for n in s.load_state_dict(entry)]
+    if notes:
+        diagnostics.warn_user("amp_patch.load_state_dict: " + "; ".join(notes) + ".")
     ensure_patches(amp)  # a static scale of 1 may have become another
 
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -209,3 +210,72 @@ def test_resume_in_a_fresh_process_is_bit_exact(tmp_path):
     for cfg in recipe["CONFIGS"]:
         diff = equal_trees(uninterrupted[cfg], resumed[cfg], cfg)
         assert not diff, diff[:5]
+
+
+# ------------------------------------------------------------------ checkpoints across dtypes and policies
+
+
+def _amp_state(level, **kw):
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, level, verbosity=0, **kw)
+    return model, opt
+
+
+def test_a_bf16_checkpoint_keeps_the_fp16_runs_dynamic_scale():
+    """The CPU-to-GPU resume: a BF16 run's scale 1 must not become the FP16 run's dynamic scale."""
+    _amp_state("O4")
+    saved = amp_patch.state_dict()
+    amp_patch.deinitialize()
+    assert saved["loss_scaler0"]["dynamic"] is False and saved["amp_patch"]["half_dtype"] == "bfloat16"
+    _amp_state("O1", half_dtype=torch.float16)
+    try:
+        with pytest.warns(amp_patch.AmpWarning, match=r"saved by a bfloat16 run and this run is float16.*loss scaler 0: the "
+                          r"checkpoint's loss scale is static \(1\) and this run's is dynamic: kept this run's dynamic scale 65536") as rec:
+            amp_patch.load_state_dict(saved)
+        assert rec[0].filename == __file__  # points at the caller's line
+        assert amp_patch.counters()["loss_scale"] == [65536.0]
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_an_fp16_checkpoint_does_not_switch_on_scaling_under_bf16():
+    _amp_state("O1", half_dtype=torch.float16)
+    saved = amp_patch.state_dict()
+    amp_patch.deinitialize()
+    _amp_state("O4")
+    try:
+        with pytest.warns(amp_patch.AmpWarning, match=r"the checkpoint's loss scale is dynamic \(65536\) and this run's is static: kept this run's static scale 1"):
+            amp_patch.load_state_dict(saved)
+        assert amp_patch.counters()["loss_scale"] == [1.0]
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_a_scale_outside_the_runs_range_is_clamped_with_a_warning():
+    _amp_state("O1", half_dtype=torch.float16, max_loss_scale=2.0**20)
+    try:
+        state = amp_patch.state_dict()
+        state["loss_scaler0"] = dict(state["loss_scaler0"], loss_scale=1e300)
+        with pytest.warns(amp_patch.AmpWarning, match=r"loss scale 1e\+300 lies outside this run's \[min_loss_scale, max_loss_scale\] = \[1, 1.04858e\+06\]: clamped to 1.04858e\+06"):
+            amp_patch.load_state_dict(state)
+        assert amp_patch.counters()["loss_scale"] == [2.0**20]
+        state["loss_scaler0"]["loss_scale"] = float("inf")
+        with pytest.raises(amp_patch.ConfigError, match="loss_scale=inf must be finite"):
+            amp_patch.load_state_dict(state)
+        assert amp_patch.counters()["loss_scale"] == [2.0**20]
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_a_matching_checkpoint_loads_without_a_word():
+    _amp_state("O1", half_dtype=torch.float16)
+    try:
+        saved = amp_patch.state_dict()
+        saved["loss_scaler0"]["loss_scale"] = 1024.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            amp_patch.load_state_dict(saved)
+        assert amp_patch.counters()["loss_scale"] == [1024.0]
+    finally:
+        amp_patch.deinitialize()
