@@ -354,6 +354,12 @@ def _register(owner: Any, name: str, policy: str) -> None:
         raise ConfigError(f"{getattr(owner, '__name__', owner)!r} has no attribute {name!r}; register_{policy}_function needs an existing function")
     if not callable(getattr(owner, name)):
         raise ConfigError(f"{getattr(owner, '__name__', owner)}.{name} is not callable")
+    why = oplists.not_an_op(owner, name)
+    if why is not None:
+        raise ConfigError(
+            f"{getattr(owner, '__name__', owner)}.{name} {why}, not a tensor op; register_{policy}_function "
+            f"wraps functions that compute on tensors"
+        )
     for i, (o, n, _) in enumerate(_user_registrations):
         if o is owner and n == name:
             _user_registrations[i] = (owner, name, policy)

@@ -29,6 +29,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import types
 from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -105,6 +106,33 @@ def _op_names(namespace: str) -> List[str]:
 
 def op_exists(namespace: str, name: str) -> bool:
     return callable(getattr(NAMESPACES[namespace], name, None))
+
+
+#: callables that live beside the ops but are not tensor ops: wrapping one
+#: would cast what it saves or loads, or break the object protocol (context
+#: managers such as no_grad and autocast are classes, refused as such)
+_NOT_OPS = frozenset((
+    "save", "load", "from_file", "manual_seed", "seed", "initial_seed", "compile", "typename",
+    "use_deterministic_algorithms", "set_printoptions", "set_num_threads", "set_num_interop_threads",
+    "__getattribute__", "__getattr__", "__setattr__", "__delattr__", "__dir__", "__init__", "__new__",
+    "__del__", "__init_subclass__", "__subclasshook__", "__class__", "__repr__", "__str__", "__format__",
+    "__hash__", "__bool__", "__len__", "__iter__", "__next__", "__contains__", "__reduce__", "__reduce_ex__",
+    "__getstate__", "__setstate__", "__copy__", "__deepcopy__", "__sizeof__", "__enter__", "__exit__",
+    "__torch_function__", "__torch_dispatch__", "__array__", "__array_wrap__", "__array_priority__",
+    "__dlpack__", "__dlpack_device__", "__index__", "__int__", "__float__", "__complex__", "__instancecheck__",
+))
+
+
+def not_an_op(owner: Any, name: str) -> Optional[str]:
+    """Why ``owner.name`` cannot be wrapped as an op although it exists, or None."""
+    obj = getattr(owner, name, None)
+    if isinstance(obj, type):
+        return "is a class"
+    if isinstance(obj, types.ModuleType):
+        return "is a module"
+    if name in _NOT_OPS or name.startswith(("set_default", "get_default")):
+        return "is serialization, random state, configuration or the object protocol"
+    return None
 
 
 class _Reader:
@@ -224,6 +252,14 @@ class _Reader:
                 log.debug("amp_patch: optional op %s.%s is not in torch %s; not patched", ns, name, torch.__version__)
             else:
                 self.problem(line, path, f"{name!r} is not in {ns}{_nearest(name, _op_names(ns))} (mark it 'optional: true' if it exists only in some torch versions)")
+        elif pol != "remove":
+            why = not_an_op(NAMESPACES[ns], name)
+            if why is not None:
+                self.problem(
+                    line, path,
+                    f"{ns}.{name} {why}, not a tensor op; only functions that compute on tensors can be listed "
+                    f"(amp_patch would replace it with a casting wrapper). Remove the entry.",
+                )
         if len(self.problems) > before:
             return
         e = Entry(ns, name, pol, tuple(sorted(when)), optional, str(fields.get("why", "")), str(fields.get("fix", "")), f"{self.where}:{line}" if line else self.where)

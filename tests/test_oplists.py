@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 import amp_patch
 from amp_patch import ListError
+from amp_patch import oplists
 from amp_patch.oplists import collect_problems, default_files, load
 
 
@@ -207,3 +209,34 @@ def test_every_problem_of_one_entry_is_reported():
         "<lists dict>: torch.float[0] 'cumsun' is not in torch; did you mean 'cumsum'? "
         "(mark it 'optional: true' if it exists only in some torch versions)",
     ]
+
+
+# ------------------------------------------------------------------ only tensor ops can be listed
+
+
+@pytest.mark.parametrize(
+    "ns, name, why",
+    [
+        ("torch.Tensor", "__getattribute__", "is serialization, random state, configuration or the object protocol"),
+        ("torch", "save", "is serialization"),
+        ("torch", "load", "is serialization"),
+        ("torch", "Tensor", "is a class"),
+        ("torch", "no_grad", "is a class"),
+        ("torch", "set_default_dtype", "is serialization, random state, configuration"),
+        ("torch", "manual_seed", "is serialization, random state"),
+    ],
+)
+def test_a_callable_that_is_no_tensor_op_is_refused_with_the_reason(ns, name, why):
+    with pytest.raises(ListError, match=rf"{re.escape(ns)}\.{re.escape(name)} {re.escape(why)}.*only functions that compute on tensors"):
+        oplists.load({ns: {"half": [name]}})
+
+
+def test_register_refuses_what_is_no_tensor_op():
+    for name in ("save", "Tensor"):
+        with pytest.raises(amp_patch.ConfigError, match=rf"torch\.{name} is .*not a tensor op; register_half_function wraps"):
+            amp_patch.register_half_function(torch, name)
+
+
+def test_removing_is_still_allowed_for_any_name_and_shipped_lists_pass():
+    oplists.load()  # every shipped entry is a tensor op
+    oplists.load({"torch": {"remove": ["save"]}})
