@@ -202,6 +202,8 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         if overrides.get("cast_model_outputs") is None and prov.provisional.get("cast_model_outputs") is not None:
             overrides["cast_model_outputs"] = prov.provisional["cast_model_outputs"]
         _teardown(prov)
+    if isinstance(verbosity, bool) or not isinstance(verbosity, int) or verbosity < 0:
+        raise ConfigError(f"initialize: verbosity={verbosity!r} must be an integer >= 0 (0 silences amp_patch's messages, 1 is the default)")
     options = {k: overrides.pop(k) for k in list(overrides) if k in EXTRA_OPTIONS}
     options["verbosity"] = verbosity
     device_type = _device_type(model_list)

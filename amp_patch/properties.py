@@ -113,7 +113,10 @@ def resolve(opt_level: Any, device_type: str, half_dtype: Any = None, **override
 
     Nothing is changed anywhere: callers resolve before they patch.
     """
-    level = str(opt_level).upper() if isinstance(opt_level, str) else opt_level
+    if not isinstance(opt_level, str):
+        raise ConfigError(f"opt_level={opt_level!r} is a {type(opt_level).__name__}, not an opt level; pass one string: "
+                          f"one of {', '.join(OPT_LEVELS)}")
+    level = opt_level.upper()
     if level not in _LEVELS:
         hint = " (the letter O, not zero)" if isinstance(opt_level, str) and opt_level.startswith("0") else ""
         raise ConfigError(f"opt_level={opt_level!r} is not an opt level{hint}; use one of {', '.join(OPT_LEVELS)}")

@@ -29,7 +29,6 @@ import contextlib
 import logging
 import time
 import types
-import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -774,10 +773,12 @@ def scale_loss(
     n = len(run.scalers)
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
         raise ConfigError(f"scale_loss: loss_id={loss_id!r} must be an integer in [0, {n}); initialize(num_losses=...) sets how many")
+    if not isinstance(loss, Tensor):
+        raise ConfigError(f"scale_loss: the loss must be a tensor (the output of your loss function), got {type(loss).__name__} {loss!r}")
     handles = _handles(amp, optimizers, "scale_loss")
     scaler = run.scalers[loss_id]
     hooks: List[Any] = []
-    if scaler.active and isinstance(loss, Tensor):
+    if scaler.active:
         hooks = guard_foreign(run, loss, run.handles, loss_id, scaler.scale)[1]
     before_backward(run, handles, loss_id)
     amp.in_scale_loss += 1
@@ -977,7 +978,7 @@ def load_state_dict(state: dict, *, strict: bool = True) -> None:
         )
         if strict:
             raise ConfigError(message)
-        warnings.warn(f"{message}. Loading the first {min(len(entries), len(run.scalers))}, as apex.amp did.", stacklevel=3)
+        diagnostics.warn_user(f"{message}. Loading the first {min(len(entries), len(run.scalers))}, as apex.amp did.")
     meta = state.get("amp_patch")
     level = meta.get("opt_level") if isinstance(meta, dict) else None
     half = meta.get("half_dtype") if isinstance(meta, dict) else None

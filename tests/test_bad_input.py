@@ -555,3 +555,33 @@ def test_deinitialize_after_an_exception_in_the_step_restores_everything(level, 
         assert all(torch.isfinite(p).all() for p in amp_patch.master_params(opt))
     finally:
         amp_patch.deinitialize()
+
+
+# ------------------------------------------------------------------ small inputs that used to escape as torch's or Python's errors
+
+
+def test_an_opt_level_that_is_no_string_is_refused_by_name():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(amp_patch.ConfigError, match=r"opt_level=\['O1'\] is a list, not an opt level; pass one string"):
+        amp_patch.initialize(model, None, ["O1"])
+    assert not amp_patch.is_initialized()
+
+
+@pytest.mark.parametrize("verbosity", ["loud", -1, True, 1.5])
+def test_a_bad_verbosity_is_refused(verbosity):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(amp_patch.ConfigError, match=r"verbosity=.* must be an integer >= 0"):
+        amp_patch.initialize(model, None, "O1", verbosity=verbosity)
+    assert not amp_patch.is_initialized()
+
+
+def test_scale_loss_of_a_number_names_the_fix():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, "O1", half_dtype=torch.float16, verbosity=0)
+    try:
+        with pytest.raises(amp_patch.ConfigError, match=r"scale_loss: the loss must be a tensor .* got float 1.0"):
+            with amp_patch.scale_loss(1.0, opt):
+                pass
+    finally:
+        amp_patch.deinitialize()
