@@ -34,7 +34,7 @@ def _source_copy(tmp_path: Path) -> Path:
     # Build from a copy so no build/ or egg-info lands in the checkout.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("setup.cfg", "setup.py", "README.md"):
+    for name in ("setup.cfg", "setup.py", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     # The checkout's own build of the extension stays behind: each install builds it.
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
@@ -65,6 +65,7 @@ def test_wheel_contains_lists_and_loads_them(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for f in LIST_FILES:
         assert f"amp_patch/lists/{f}" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
     site = tmp_path / "site"
     _pip("install", "--no-deps", "--target", str(site), str(wheel), cwd=tmp_path)
     out = _probe(site, tmp_path)
