@@ -14,6 +14,9 @@
        diagnostics watching every call, the session live, and no
        list/tuple/dict argument;
      * no tensor argument in a dtype that must be cast -> the original op;
+     * a promote op given a mix of castable dtypes -> the Python wrapper,
+       which applies torch's promotion (0-dim tensors); an op whose kernel
+       promotes by itself (wrappers.NATIVE_PROMOTE) -> always the original;
      * some tensor argument to cast -> each such tensor converted, then the
        original op. A weight is looked up in the weight-cast cache here
        (cache_hit, the hit branch of _cast.CastCache.cast); a miss goes to
@@ -39,7 +42,8 @@ typedef struct {
     PyObject *cache_maps;      /* CastCache._maps: ({id: entry} without grad, with grad) */
     PyObject *cache_counts;    /* CastCache.counts: [hits, misses] */
     PyObject *live;            /* the session's Live flag object (.on) */
-    int promote;               /* 1: cast only on a mix of castable dtypes */
+    int promote;               /* 0: cast to `to`; 1: a mix of castable dtypes goes to
+                                  the Python wrapper; 2: never cast (native promotion) */
 } Fast;
 
 static Py_ssize_t fast_offset;      /* where Fast starts inside the object */
@@ -117,8 +121,10 @@ plan(Fast *f, PyObject *const *args, Py_ssize_t n)
                 return -1;
             if (!in_tuple(f->castable, dt))
                 continue;
-            if (!f->promote || (seen != NULL && dt != seen))
+            if (!f->promote)
                 cast = 1;
+            else if (seen != NULL && dt != seen)
+                return 2; /* which dtype wins depends on dimensions: Python decides */
             seen = dt;
         }
         else if (PyList_Check(a) || PyTuple_Check(a) || PyDict_Check(a)) {
@@ -292,6 +298,8 @@ fast_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwname
         return NULL;
     if (!on)
         return general(self, args, n, kwnames);
+    if (f->promote == 2)
+        return PyObject_Vectorcall(f->original, args, nargsf, NULL);
     r = plan(f, args, n);
     if (r == 0)
         return PyObject_Vectorcall(f->original, args, nargsf, NULL);
@@ -302,7 +310,7 @@ fast_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwname
     return general(self, args, n, kwnames);
 }
 
-/* (wrapped, wrapper, castable, to, convert, cache, live, promote): the wrapt
+/* (wrapped, wrapper, castable, to, convert, cache, live, promote 0/1/2): the wrapt
    wrapper is set up as wrappers.OpWrapper sets it up, with the "staticmethod"
    binding; cache is a _cast.CastCache, or None for no cache. */
 static int
@@ -317,7 +325,7 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_TypeError, "takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OOO!OOOOp", &wrapped, &wrapper, &PyTuple_Type, &castable, &to,
+    if (!PyArg_ParseTuple(args, "OOO!OOOOi", &wrapped, &wrapper, &PyTuple_Type, &castable, &to,
                           &convert, &cache, &live, &promote))
         return -1;
     if (cache != Py_None) {

@@ -19,10 +19,20 @@ casting an argument, and one wrapper serves functions and methods alike.
 Policies:
   * ``half``     - run in the low-precision dtype (FP16 or BF16)
   * ``float``    - run in FP32
-  * ``promote``  - run in the widest floating dtype among the inputs
+  * ``promote``  - run in the dtype torch's type promotion gives the inputs
+                   (``torch.result_type``): the widest floating dtype among
+                   the dimensioned tensors; a 0-dim tensor or a Python scalar
+                   counts only where no dimensioned tensor is floating
   * ``sequence_promote`` - the same, for a list argument (``cat``, ``stack``)
   * ``banned``   - FP16: raise ``BannedOpError`` naming the fix;
                    BF16: resolved to ``float`` before a wrapper is built.
+
+Refinements of a policy that hang on the op, not on the list (see
+``NATIVE_PROMOTE``, ``UNDER_CPU_AUTOCAST`` and ``CONDITIONS``): promote ops
+whose kernels promote mixed inputs themselves are never cast, the RNN kernels
+run under CPU autocast where that keeps their recurrent state as autocast
+keeps it, and an op whose kernel depends on an argument (``F.pad``'s mode) is
+cast only for the kernels the policy is about.
 """
 from __future__ import annotations
 
@@ -137,6 +147,81 @@ def _scan(obj: Any, seen: Any) -> Any:
     return seen
 
 
+def _promote_target(obj: Any) -> Optional[torch.dtype]:
+    """The castable dtype ``torch.result_type`` gives the tensors in ``obj``.
+
+    Only called on a mix of castable dtypes (the cast path). Dimensioned
+    tensors decide; 0-dim tensors count only where no dimensioned tensor is
+    castable, as in torch's own promotion (``bf16_matrix * fp32_scalar_tensor``
+    stays BF16). Python scalars never decide a floating result.
+    """
+    dims = zero = None
+    for t in _tensors(obj):
+        dt = t.dtype
+        if dt not in CASTABLE:
+            continue
+        if t.dim():
+            dims = dt if dims is None or dims is dt else f32
+        else:
+            zero = dt if zero is None or zero is dt else f32
+    return dims if dims is not None else zero
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
+#: promote ops whose torch kernel promotes mixed floating inputs itself and
+#: computes in the promoted dtype (TensorIterator ops, ``cat``): casting the
+#: half operand first would copy it and give the same bits, so these are never
+#: cast. The others (``dot``, ``index_put``, ``bilinear``...) refuse mixed
+#: dtypes and are cast to the promoted dtype.
+NATIVE_PROMOTE = frozenset(
+    [f"torch.Tensor.{n}" for n in (
+        "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+        "addcmul", "addcdiv", "atan2",
+    )]
+    + [f"torch.{n}" for n in (
+        "addcmul", "addcdiv", "atan2", "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
+    )]
+)
+
+#: RNN kernels whose recurrent state CPU autocast keeps in FP32 (GRU, plain
+#: RNNs and the cells run their state arithmetic with FP32 ``hx``, casting it
+#: per step for the matmul only; LSTM's oneDNN kernel casts it). Under BF16 on
+#: CPU they run under ``torch.autocast("cpu")``, which gives exactly that; on
+#: CUDA, cuDNN under autocast casts the state to half, which the ``half``
+#: policy does, and CPU autocast has no FP16 RNN kernels to follow.
+UNDER_CPU_AUTOCAST = frozenset(
+    [f"torch._VF.{n}" for n in (
+        "lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    )]
+    + [f"torch.{n}" for n in ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")]
+)
+
+
+def _pad_reaches_listed_kernel(args, kwargs) -> bool:
+    """``F.pad`` reaches ``reflection_pad1d/2d`` or ``replication_pad*``:
+    the padding kernels CPU autocast runs in FP32 (constant and circular
+    padding, and 3-D reflection, have no policy there)."""
+    mode = args[2] if len(args) > 2 else (kwargs or {}).get("mode", "constant")
+    if mode == "replicate":
+        return True
+    pad = args[1] if len(args) > 1 else (kwargs or {}).get("pad", ())
+    return mode == "reflect" and len(pad) < 6
+
+
+#: ops whose policy applies only to some calls: a predicate over (args, kwargs)
+CONDITIONS = {"torch.nn.functional.pad": _pad_reaches_listed_kernel}
+
+
 # ---------------------------------------------------------------- planners
 # A planner returns the dtype to cast every castable input to, or None. For a
 # Tensor method the receiver is ``args[0]``, so one planner serves both forms.
@@ -170,18 +255,27 @@ def _promote_plan(args, kwargs):
     seen = _scan(args, None)
     if kwargs and seen is not _MIXED:
         seen = _scan(kwargs, seen)
-    # A mix of FP32 with either half dtype, or of FP16 with BF16, runs in FP32.
-    return f32 if seen is _MIXED else None
+    # One castable dtype needs nothing; a mix runs in torch's promoted dtype.
+    return _promote_target((args, kwargs)) if seen is _MIXED else None
 
 
-def make_planner(policy: str, half: torch.dtype) -> Callable:
+def _never(args, kwargs):
+    return None
+
+
+def make_planner(policy: str, half: torch.dtype, qualname: str = "") -> Callable:
     if policy == "half":
-        return _fixed_planner(half)
-    if policy == "float":
-        return _fixed_planner(f32)
-    if policy in ("promote", "sequence_promote"):
-        return _promote_plan
-    raise ValueError(policy)
+        plan = _fixed_planner(half)
+    elif policy == "float":
+        plan = _fixed_planner(f32)
+    elif policy in ("promote", "sequence_promote"):
+        plan = _never if qualname in NATIVE_PROMOTE else _promote_plan
+    else:
+        raise ValueError(policy)
+    applies = CONDITIONS.get(qualname)
+    if applies is None:
+        return plan
+    return lambda args, kwargs: plan(args, kwargs) if applies(args, kwargs) else None
 
 
 # ---------------------------------------------------------------- wrapt types
@@ -261,27 +355,35 @@ def make_wrapper(
     if policy == "banned":
         return kind(original, _banned(qualname, half, fix, live))
     name = qualname.rpartition(".")[2]
-    plan = make_planner(policy, half)
+    plan = make_planner(policy, half, qualname)
     if is_inplace(name):
         # ``x.exp_()`` and ``torch.exp_(x)`` alike: the receiver is args[0]
         fn = _inplace(policy, qualname, live, ledger)
     elif ledger is not None:
         fn = _instrumented(qualname, policy, plan, cache, ledger, live)
+    elif qualname in CONDITIONS:
+        fn = _general(plan, cache, live)
     else:
         general = _general(plan, cache, live)
         promote = policy not in ("half", "float")
+        native = promote and qualname in NATIVE_PROMOTE
         to = f32 if policy != "half" else half
-        if promote:
+        if native:
+            fn = _call_through
+        elif promote:
             fn = _promote(original, general, cache, live)
         else:
             fn = _fixed(original, to, general, cache, live)
-        if fast is not None:
+        if fast is not None and not (policy == "half" and qualname in UNDER_CPU_AUTOCAST):
             # The same decisions with the common call's check in C (_fastpath.c);
             # any other call still reaches ``fn`` through wrapt.
             kind = fast.FastMethodWrapper if method else fast.FastOpWrapper
             castable = tuple(CASTABLE if promote else CASTABLE - {to})
             weights = cache if cache is not None and to is not f32 else None  # the cache keeps half copies
-            return kind(original, fn, castable, to, CONVERT[to], weights, live, promote)
+            mode = 2 if native else 1 if promote else 0
+            return kind(original, fn, castable, to, CONVERT[to], weights, live, mode)
+    if policy == "half" and qualname in UNDER_CPU_AUTOCAST and half is torch.bfloat16:
+        fn = _under_cpu_autocast(fn, half, live, ledger, qualname)
     return kind(original, fn)
 
 
@@ -334,8 +436,35 @@ def _promote(original, general, cache, live):
                     break
         else:
             return original(*args)
-        # a mix of FP32 with either half dtype, or of FP16 with BF16, runs in FP32
-        return original(*cast_args(args, f32, cache))
+        # a mix runs in torch's promoted dtype: a 0-dim FP32 tensor does not
+        # make a dimensioned half tensor FP32
+        return original(*cast_args(args, _promote_target(args), cache))
+
+    return wrapper
+
+
+def _call_through(wrapped, instance, args, kwargs):
+    """A ``NATIVE_PROMOTE`` op: its kernel promotes as the policy would."""
+    return wrapped(*args, **kwargs)
+
+
+def _under_cpu_autocast(fn, half, live, ledger, qualname):
+    """An ``UNDER_CPU_AUTOCAST`` RNN kernel under BF16: on a CPU input it runs
+    under ``torch.autocast("cpu")``, which casts the input and weights for
+    its matmuls and keeps an FP32 recurrent state FP32; elsewhere ``fn``."""
+    record = ledger.record if ledger is not None else None
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if (disabled and get_ident() in disabled) or not live.on or not args:
+            return fn(wrapped, instance, args, kwargs)
+        x = args[0]
+        if not (isinstance(x, Tensor) and x.device.type == "cpu"):
+            return fn(wrapped, instance, args, kwargs)
+        with torch.autocast("cpu", dtype=half):
+            out = wrapped(*args, **kwargs)
+        if record is not None:
+            record(qualname, "half", out, 0, 0)
+        return out
 
     return wrapper
 

@@ -267,6 +267,13 @@ def _convolution(r):
     return (r.randn(1, 2, 5, 5), r.randn(3, 2, 3, 3), r.randn(3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}
 
 
+@sample("torch._convolution")
+def _private_convolution(r):
+    # the 12-argument overload torch's autocast tests use (benchmark, deterministic, cudnn_enabled)
+    return (r.randn(1, 2, 5, 5), r.randn(3, 2, 3, 3), r.randn(3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+            False, False, True), {}
+
+
 @sample(*_both("prelu"))
 def _prelu(r):
     return (r.randn(2, 3, 4), r.uniform(3, lo=0.1, hi=0.3)), {}
@@ -548,6 +555,18 @@ def _grid_sample(r):
     return (r.randn(1, 2, 4, 4), r.uniform(1, 3, 3, 2, lo=-1.0, hi=1.0)), {"align_corners": False}
 
 
+@sample("torch.grid_sampler")
+def _grid_sampler(r):
+    # (input, grid, interpolation_mode=bilinear, padding_mode=zeros, align_corners)
+    return (r.randn(1, 2, 4, 4), r.uniform(1, 3, 3, 2, lo=-1.0, hi=1.0), 0, 0, False), {}
+
+
+@sample("torch.nn.functional.pad")
+def _pad(r):
+    # 2-D reflection padding: the call reaches reflection_pad2d
+    return (r.randn(1, 2, 4, 4), (1, 1, 2, 1), "reflect"), {}
+
+
 @sample(*_both("max_pool3d"), "torch.nn.functional.avg_pool3d")
 def _pool3d(r):
     return (r.randn(1, 2, 4, 4, 4), 2), {}
@@ -824,3 +843,31 @@ def _index_copy(r):
 @sample("torch.cat", "torch.concat", "torch.concatenate", "torch.stack", "torch.hstack", "torch.vstack", "torch.dstack")
 def _sequence(r):
     return ([r.randn(2, 3), r.randn(2, 3)],), {}
+
+
+# ------------------------------------------------------------ fused inference kernels
+
+
+def _attention_weights(r, e: int):
+    return r.randn(3 * e, e, scale=0.3), r.randn(3 * e, scale=0.1), r.randn(e, e, scale=0.3), r.randn(e, scale=0.1)
+
+
+@sample("torch._addmm_activation")
+def _addmm_activation(r):
+    return (r.randn(3), r.randn(2, 4), r.randn(4, 3)), {"use_gelu": True}
+
+
+@sample("torch._native_multi_head_attention")
+def _native_mha(r):
+    q = r.randn(2, 3, 8)
+    # (query, key, value, embed_dim, num_heads, qkv weight and bias, out weight and bias)
+    return (q, q, q, 8, 2, *_attention_weights(r, 8)), {"need_weights": False}
+
+
+@sample("torch._transformer_encoder_layer_fwd")
+def _encoder_layer(r):
+    e, ff = 8, 16
+    norms = (1.0 + r.randn(e, scale=0.1), r.randn(e, scale=0.1), 1.0 + r.randn(e, scale=0.1), r.randn(e, scale=0.1))
+    ffn = (r.randn(ff, e, scale=0.3), r.randn(ff, scale=0.1), r.randn(e, ff, scale=0.3), r.randn(e, scale=0.1))
+    # (src, embed_dim, num_heads, attention weights, use_gelu, norm_first, eps, norms, feed-forward)
+    return (r.randn(2, 3, e), e, 2, *_attention_weights(r, e), False, False, 1e-5, *norms, *ffn), {}

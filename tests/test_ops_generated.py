@@ -40,7 +40,7 @@ import torch
 
 import amp_patch
 import op_samples
-from amp_patch import oplists
+from amp_patch import oplists, wrappers
 from amp_patch.oplists import NAMESPACES
 
 f16, bf16, f32, f64, i64 = torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64
@@ -396,6 +396,13 @@ def expected_outcome(form: str, pol: str, half: torch.dtype, original: Any,
         cargs = (args[0],) + hand_cast(args[1:], to)
         ckwargs = hand_cast(kwargs, to)
         return run(lambda: original(*cargs, **ckwargs), (args, kwargs)), rd, None
+    if pol == "half" and half is bf16 and form in wrappers.UNDER_CPU_AUTOCAST:
+        # RNN kernels on CPU run under CPU autocast itself (its FP32 hidden state)
+        def under_autocast():
+            with torch.autocast("cpu", dtype=bf16):
+                return original(*args, **kwargs)
+
+        return run(under_autocast, (args, kwargs)), None, None
     if pol == "half":
         to = half
     elif pol == "float":
@@ -510,6 +517,8 @@ ATEN_NAMES: Dict[str, Optional[str]] = {
     "torch.nn.functional.upsample_bilinear": "upsample_bilinear2d",
     "torch.nn.functional.upsample_nearest": "upsample_nearest2d",
     "torch.nn.functional.multilabel_soft_margin_loss": None,
+    # The sample pads in 'reflect' mode on two dimensions.
+    "torch.nn.functional.pad": "reflection_pad2d",
 }
 SPECIAL_ALIASES = {"expm1", "exp2", "log1p", "logsumexp", "softmax", "log_softmax", "erfinv"}
 
@@ -694,6 +703,7 @@ CPU_AUTOCAST_THROUGH_INNER_OPS = frozenset({
     "torch.lstm_cell", "torch.gru_cell", "torch.rnn_tanh_cell", "torch.rnn_relu_cell",
     "torch._VF.lstm", "torch._VF.gru", "torch._VF.rnn_tanh", "torch._VF.rnn_relu",
     "torch._VF.lstm_cell", "torch._VF.gru_cell", "torch._VF.rnn_tanh_cell", "torch._VF.rnn_relu_cell",
+    "torch._transformer_encoder_layer_fwd",
 })
 
 

