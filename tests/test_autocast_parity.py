@@ -22,7 +22,6 @@ against the documented expectation instead.
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Callable, List, Tuple
 
 import pytest
@@ -33,6 +32,7 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import amp_patch
 from helpers import amp
 
 bf16, f32 = torch.bfloat16, torch.float32
@@ -298,3 +298,97 @@ def test_transformer_encoder_eval_with_a_padding_mask_runs_in_bf16_where_autocas
     assert got.dtype == bf16
     assert torch.equal(got[1, 4:], torch.zeros_like(got[1, 4:])) and torch.equal(reference[1, 4:], got[1, 4:].float())
     torch.testing.assert_close(got.float(), reference, atol=0.1, rtol=0.1)
+
+
+# ------------------------------------------------------------------ the rules behind the parity, op by op
+
+
+def _o4_stats():
+    return amp(None, None, "O4", collect_stats=True)
+
+
+def test_promote_ops_follow_torchs_promotion_of_zero_dim_tensors_and_scalars():
+    """A 0-dim FP32 tensor or a Python scalar does not widen a dimensioned BF16
+    tensor (``torch.result_type``), for the operators as for ``torch.mul``; a
+    real mix of dimensioned tensors still runs in FP32."""
+    torch.manual_seed(0)
+    y, s, w = torch.randn(4, 3).to(bf16), torch.tensor(1.5), torch.randn(4, 3)
+    idx = torch.tensor([0, 2])
+    calls = {
+        "y * s": lambda: y * s, "s * y": lambda: s * y, "y + s": lambda: y + s, "y - s": lambda: y - s,
+        "y / s": lambda: y / s, "y * 2.0": lambda: y * 2.0, "addcmul(y, y, s)": lambda: torch.addcmul(y, y, s),
+        "y + w": lambda: y + w, "atan2(y, w)": lambda: torch.atan2(y, w),
+    }
+    want = {k: fn() for k, fn in calls.items()}
+    # ops that refuse mixed dtypes are cast to the promoted dtype: BF16 here, FP32 for a real mix
+    want["index_put(y, s)"] = torch.index_put(y, (idx,), s.to(bf16))
+    want["dot(y, w)"] = torch.dot(y[0].float(), w[0])
+    calls["index_put(y, s)"] = lambda: torch.index_put(y, (idx,), s)
+    calls["dot(y, w)"] = lambda: torch.dot(y[0], w[0])
+    with amp(None, None, "O4"):
+        got = {k: fn() for k, fn in calls.items()}
+    for k in calls:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), f"{k}: {got[k].dtype} vs {want[k].dtype}"
+    assert got["y * s"].dtype == bf16 and got["y + w"].dtype == f32 and got["dot(y, w)"].dtype == f32
+
+
+def test_ops_whose_kernels_promote_are_not_cast_and_the_ledger_shows_it():
+    """Residual adds and rotary ``q * cos`` (BF16 with FP32) run as torch runs
+    them, with no FP32 copy of the BF16 operand: same bits, no cast in the
+    ledger. ``torch.dot``, whose kernel refuses mixed dtypes, still casts."""
+    torch.manual_seed(0)
+    h, f = torch.randn(4, 3).to(bf16), torch.randn(4, 3)
+    calls = {
+        "torch.Tensor.__add__": lambda: h + f, "torch.Tensor.__mul__": lambda: h * f,
+        "torch.Tensor.__radd__": lambda: f.__radd__(h), "torch.Tensor.__truediv__": lambda: f / h,
+        "torch.cat": lambda: torch.cat([h, f]), "torch.addcmul": lambda: torch.addcmul(f, h, h),
+    }
+    want = {k: fn() for k, fn in calls.items()}
+    with _o4_stats():
+        got = {k: fn() for k, fn in calls.items()}
+        torch.dot(h[0], f[0])
+        ops = amp_patch.report().to_dict()["ops"]
+    for k in calls:
+        assert got[k].dtype == f32 and torch.equal(got[k], want[k]), k
+        assert ops[k]["calls"] == 1 and ops[k]["casts"] == 0, f"{k}: {ops[k]}"
+    assert ops["torch.dot"]["casts"] == 1
+
+
+@pytest.mark.parametrize("cell,state", [(nn.GRUCell, f32), (nn.LSTMCell, f32), (nn.GRU, f32), (nn.RNNCell, bf16),
+                                        (nn.RNN, bf16)], ids=lambda c: getattr(c, "__name__", str(c)))
+def test_recurrent_state_runs_on_cpu_as_under_autocast(cell, state):
+    """CPU autocast casts the RNN's matmuls, not its FP32 hidden state: GRU's
+    and the LSTM cell's state stays FP32 (a plain RNN's is the tanh of BF16
+    matmuls, so BF16); so does amp_patch on CPU (a BF16 GRU state changed
+    gradients by about 0.5 % on a short sequence, more on longer ones)."""
+    torch.manual_seed(0)
+    model = cell(6, 5)
+    x = torch.randn(7, 3, 6) if cell in (nn.GRU, nn.RNN) else torch.randn(3, 6)
+    by_amp = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=bf16):
+        want = model(x)
+    with amp(None, None, "O4"):
+        got = by_amp(x)
+    for g, w in zip(tree_leaves(got), tree_leaves(want)):
+        assert g.dtype == w.dtype == state and torch.equal(g, w)
+    sum(t.sum() for t in tree_leaves(want)).backward()
+    sum(t.sum() for t in tree_leaves(got)).backward()
+    for p, q in zip(by_amp.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("pad,mode,dtype", [
+    ((1, 1, 2, 1), "reflect", f32), ((1, 2), "reflect", f32), ((1, 1, 1, 1, 1, 1), "reflect", bf16),
+    ((1, 1, 2, 1), "replicate", f32), ((1, 1, 1, 1, 1, 1), "replicate", f32),
+    ((1, 1, 2, 1), "constant", bf16), ((1, 1, 2, 1), "circular", bf16),
+], ids=lambda v: str(v))
+def test_padding_runs_as_under_cpu_autocast(pad, mode, dtype):
+    """reflection_pad1d/2d and replication_pad* are FP32 under CPU autocast;
+    constant, circular and 3-D reflection padding keep the input's dtype."""
+    x = torch.randn(1, 2, 4, 4, 4).to(bf16)
+    x = x[0] if len(pad) == 4 else x[0, 0] if len(pad) == 2 else x
+    with torch.autocast("cpu", dtype=bf16):
+        want = F.pad(x, pad, mode)
+    with amp(None, None, "O4"):
+        got = F.pad(x, pad, mode)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
