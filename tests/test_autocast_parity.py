@@ -392,3 +392,22 @@ def test_padding_runs_as_under_cpu_autocast(pad, mode, dtype):
     with amp(None, None, "O4"):
         got = F.pad(x, pad, mode)
     assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+
+
+def test_checkpoint_recomputes_as_the_forward_ran():
+    """``torch.utils.checkpoint`` re-enters autocast at recompute only if
+    ``torch.is_autocast_enabled`` said so in the forward; amp_patch leaves that
+    False, so the recompute runs under the same casts: same loss and gradients
+    as without checkpointing."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.LayerNorm(8)), torch.randn(4, 8)
+    plain = copy.deepcopy(model)
+    with amp(None, None, "O4"):
+        assert not torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        got = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False).sum()
+        got.backward()
+        want = plain(x).sum()
+        want.backward()
+    assert torch.equal(got, want)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
