@@ -217,8 +217,12 @@ _sequence_loss = _classification_loss((8, 10, 12), classes=3, seed=3)
 @pytest.mark.parametrize("level,half", CASES, ids=IDS)
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_recurrent_networks_train(kind, level, half):
-    _trains_like_fp32(functools.partial(_Recurrent, kind), _sequence_loss, level, half,
-                      record=(nn.LSTM, nn.GRU, nn.Linear), steps=15)
+    record = (nn.LSTM, nn.GRU, nn.Linear)
+    if kind == "GRU" and level == "O1" and half is bf16:
+        # A GRU's output is its hidden state, which CPU autocast, and amp_patch
+        # on CPU, keep FP32 (test_autocast_parity.py compares the two).
+        record = (nn.Linear,)
+    _trains_like_fp32(functools.partial(_Recurrent, kind), _sequence_loss, level, half, record=record, steps=15)
 
 
 # ---------------------------------------------------------------- attention
