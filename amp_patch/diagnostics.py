@@ -40,7 +40,7 @@ from ._cast import LOW
 from .errors import StateError
 from .oplists import NAMESPACES, OPERATOR_FORMS
 from .stats import dtype_name
-from .wrappers import wrapt_has_c_extension
+from .wrappers import _tensors as wrappers_tensors, wrapt_has_c_extension
 
 log = logging.getLogger("amp_patch")
 
@@ -327,15 +327,7 @@ def warn_at_initialize(amp: Any, models: Sequence[torch.nn.Module], optimizers: 
 # ------------------------------------------------------------ overflow provenance
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
+_tensors = wrappers_tensors  # every tensor in nested lists, tuples and dicts
 
 
 def _finite(t: torch.Tensor) -> bool:
