@@ -31,7 +31,7 @@ import sys
 import sysconfig
 import types
 import warnings
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
