@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ._cast import CastCache
 from ._patch import Patcher
+from .inflight import InFlight
 from .properties import Properties
 from .wrappers import Live
 
@@ -32,7 +33,7 @@ class AmpState:
         self.ledger: Any = None  # op ledger when collect_stats=True
         self.options: Dict[str, Any] = {}  # extra keyword options (scaler, stats, ...)
         self.undo_callbacks: List[Callable[[], None]] = []  # run in reverse at deinitialize
-        self.in_scale_loss = 0  # depth of open scale_loss contexts
+        self.flight = InFlight()  # forwards, backwards and steps in flight, per thread
 
 
 _current: Optional[AmpState] = None

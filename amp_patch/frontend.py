@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, List, Sequence, Tuple
 
 import torch
 
-from . import _state, oplists
+from . import _state, inflight, oplists
 from ._state import AmpState
 from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
@@ -183,7 +183,16 @@ def initialize(
         amp_patch.deinitialize()   # torch exactly as before
     """
     with _lock:
-        return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides)
+        amp = _state.current()
+        if amp is None:
+            return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides)
+        # a running session changes only between other threads' forwards, backwards and steps
+        with amp.flight.hold("amp_patch.initialize()"):
+            try:
+                return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides)
+            finally:
+                if _state.current() is not amp:
+                    amp.flight.ended = True
 
 
 def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides):
@@ -245,6 +254,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         if fresh:
             _state.set_current(amp)
         model_side.attach(amp, model_list, opt_list)
+        inflight.watch(amp, model_list)
         scaling.attach(amp, opt_list, fresh)
         amp.models.extend(model_list)
         amp.optimizers.extend(opt_list)
@@ -311,19 +321,37 @@ def deinitialize() -> None:
     back to FP32 holding the master values, and its optimizer to its own
     parameters. A no-op when nothing is initialized.
 
+    Safe to call from another thread while one trains: it waits until no
+    forward, backward or step amp_patch runs is in flight (see
+    ``amp_patch.inflight``). Gradients a scaled backward left for a step that
+    has not run yet are unscaled, or dropped when they overflowed, so the
+    plain ``optimizer.step()`` that follows applies true gradients.
+
     Raises:
-        StateError: when called inside an open ``scale_loss`` block.
+        StateError: when called inside an open ``scale_loss`` block, from a
+            hook inside a forward, backward or step amp_patch runs, or when
+            another thread's work does not finish within
+            ``inflight.WAIT_SECONDS``; nothing is changed.
     """
     with _lock:
         amp = _state.current()
         if amp is None:
             return
-        if amp.in_scale_loss:
+        if amp.flight.inside("scale_loss"):
             raise StateError(
                 "deinitialize() was called inside a `with amp_patch.scale_loss(...)` block; "
                 "leave the block first (its exit unscales the gradients), then deinitialize."
             )
-        _teardown(amp)
+        with amp.flight.hold("amp_patch.deinitialize()"):
+            try:
+                from . import scaling
+
+                scaling.settle(amp)
+            finally:
+                try:
+                    _teardown(amp)
+                finally:
+                    amp.flight.ended = True
 
 
 def is_initialized() -> bool:

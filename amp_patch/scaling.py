@@ -350,6 +350,39 @@ def _verdict(run: Run) -> None:
         )
 
 
+def settle(amp: Any) -> None:
+    """Before the session ends: make every gradient a scaled backward left a
+    true gradient, or drop it.
+
+    The ``optimizer.step()`` after ``deinitialize`` is torch's own and cannot be
+    skipped, so gradients that overflowed are set to None (a parameter with no
+    gradient is not stepped) and one warning says so: the step then changes
+    nothing, as amp_patch's skipped step would have.
+    """
+    run = _runs.get(amp)
+    if run is None:
+        return
+    try:
+        _verdict(run)
+    except OverflowLoopError:
+        pass  # the verdicts are set; the session is ending anyway
+    dropped = [h for h in run.handles if h.verdict]
+    for h in dropped:
+        for p in h.own_params():
+            p.grad = None
+        if h.masters is not None:
+            for m in h.masters.masters:
+                m.grad = None
+        h.verdict = None
+    if dropped and run.notices.verbosity:
+        names = ", ".join(type(h.optimizer).__name__ for h in dropped)
+        diagnostics.warn_user(
+            f"amp_patch.deinitialize(): the last backward produced inf/NaN gradients for {names}, whose step "
+            f"amp_patch would have skipped. Those gradients were dropped (set to None), so an optimizer.step() "
+            f"after deinitialize changes nothing; run the next backward before stepping."
+        )
+
+
 def _on_overflow(run: Run, loss_id: int, scaler: LossScaler, before: float) -> None:
     change = f"loss scale {before:g} -> {scaler.scale:g}" if scaler.scale != before else f"loss scale stays {scaler.scale:g}"
     run.notices.overflow(f"amp_patch: inf/NaN gradients from loss {loss_id}; skipping the step ({change})")
@@ -371,6 +404,16 @@ def _step(self, *args: Any, **kwargs: Any) -> Any:
     h = _lookup(self)
     if h is None:  # a stale reference after deinitialize
         return type(self).step(self, *args, **kwargs)
+    flight = h.run.amp.flight
+    if not flight.enter("step"):  # the session ended while this call waited for it
+        return self.step(*args, **kwargs)
+    try:
+        return _run_step(self, h, args, kwargs)
+    finally:
+        flight.leave()
+
+
+def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict) -> Any:
     # The LR scheduler's "step() before optimizer.step()" check reads this flag;
     # a skipped step was still a call of step(), as with GradScaler.
     self._opt_called = True
@@ -660,14 +703,18 @@ def make_backward_patch(amp: Any):
     run = _run(amp)
     sw = switch
 
+    flight = amp.flight
+
     def make(original):
         def backward(wrapped, instance, args, kwargs):
+            if not flight.enter("backward"):  # the session ended while this call waited for it
+                return wrapped(*args, **kwargs)
             amp.cache.clear()
             try:
                 if (
                     not run.plain
                     or sw.off
-                    or amp.in_scale_loss
+                    or flight.inside("scale_loss")
                     or (args and args[0] is not None)
                     or kwargs.get("gradient") is not None
                     or instance.numel() != 1
@@ -692,6 +739,7 @@ def make_backward_patch(amp: Any):
                     after_backward(run, handles, 0)
             finally:
                 amp.cache.clear()
+                flight.leave()
 
         return wrapt.FunctionWrapper(original, backward)
 
@@ -777,18 +825,21 @@ def scale_loss(
         raise ConfigError(f"scale_loss: the loss must be a tensor (the output of your loss function), got {type(loss).__name__} {loss!r}")
     handles = _handles(amp, optimizers, "scale_loss")
     scaler = run.scalers[loss_id]
-    hooks: List[Any] = []
-    if scaler.active:
-        hooks = guard_foreign(run, loss, run.handles, loss_id, scaler.scale)[1]
-    before_backward(run, handles, loss_id)
-    amp.in_scale_loss += 1
+    if not amp.flight.enter("scale_loss"):
+        raise StateError("amp_patch.scale_loss: amp_patch was deinitialized by another thread while this call waited")
     try:
-        yield loss.float() * scaler.scale if scaler.active else loss.float()
+        hooks: List[Any] = []
+        if scaler.active:
+            hooks = guard_foreign(run, loss, run.handles, loss_id, scaler.scale)[1]
+        before_backward(run, handles, loss_id)
+        try:
+            yield loss.float() * scaler.scale if scaler.active else loss.float()
+        finally:
+            for hook in hooks:
+                hook.remove()
+            after_backward(run, handles, loss_id)
     finally:
-        amp.in_scale_loss -= 1
-        for hook in hooks:
-            hook.remove()
-        after_backward(run, handles, loss_id)
+        amp.flight.leave()
 
 
 def unscale_(optimizer: torch.optim.Optimizer) -> None:

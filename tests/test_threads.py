@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -341,3 +342,260 @@ def test_a_failing_sample_leaves_casting_on_in_the_training_thread(o1):
         list(torch.utils.data.DataLoader(_Projected(fail_at=5), batch_size=4))
     assert not wrappers.disabled
     assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- initialize / deinitialize across threads
+
+
+class _Gate(nn.Module):
+    """Identity whose forward or backward can be held in flight until released."""
+
+    def __init__(self):
+        super().__init__()
+        self.hold = None  # "forward", "backward" or None
+        self.reached = threading.Event()
+        self.release = threading.Event()
+        self.in_backward = None  # called inside the backward, in its thread
+
+    def forward(self, x):
+        if self.hold == "forward":
+            self.reached.set()
+            assert self.release.wait(TIMEOUT)
+        return _GateFn.apply(x, self)
+
+
+class _GateFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate):
+        ctx.gate = gate
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        gate = ctx.gate
+        if gate.in_backward is not None:
+            gate.in_backward()
+        if gate.hold == "backward":
+            gate.reached.set()
+            assert gate.release.wait(TIMEOUT)
+        return g, None
+
+
+def _gated(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), _Gate(), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _loss(model, x):
+    return model(x).float().pow(2).mean()
+
+
+def _reference(level, half, x, **kw):
+    """Weights after one step taken under amp_patch, one thread, nothing in the way."""
+    model = _gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, level, half_dtype=half, verbosity=0, **kw)
+    try:
+        _loss(model, x).backward()
+        opt.step()
+    finally:
+        amp_patch.deinitialize()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _in_thread(fn):
+    """Start ``fn`` in a thread; return (thread, errors)."""
+    errors = []
+
+    def body():
+        try:
+            fn()
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    t = threading.Thread(target=body, name="trainer" if fn.__name__ != "deinitialize" else "closer")
+    t.start()
+    return t, errors
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_deinitialize_from_another_thread_waits_for_the_backward_in_flight(level):
+    # deinitialize while another thread's scaled backward runs: it waits for the
+    # backward to end, then unscales what it left, so torch's own step that
+    # follows applies true gradients (before, the step applied them x65536).
+    x = torch.randn(4, 8)
+    want = _reference(level, torch.float16, x)
+    model = _gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, level, half_dtype=torch.float16, verbosity=0)
+    loss = _loss(model, x)
+    gate = model[1]
+    gate.hold = "backward"
+    trainer, errors = _in_thread(loss.backward)
+    assert gate.reached.wait(TIMEOUT)
+    closer, closer_errors = _in_thread(amp_patch.deinitialize)
+    closer.join(0.3)
+    assert closer.is_alive(), "deinitialize did not wait for the backward in flight"
+    assert amp_patch.is_initialized()
+    gate.release.set()
+    trainer.join(TIMEOUT)
+    closer.join(TIMEOUT)
+    assert not errors and not closer_errors, errors + closer_errors
+    assert not amp_patch.is_initialized()
+    opt.step()  # torch's own step now
+    for p, w in zip(model.parameters(), want):
+        assert p.dtype == torch.float32
+        assert torch.equal(p.detach(), w)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_deinitialize_drops_overflowed_gradients_so_the_plain_step_changes_nothing(level):
+    model = _gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    amp_patch.initialize(model, opt, level, half_dtype=torch.float16, verbosity=1)
+    (_loss(model, torch.randn(4, 8)) * 1e38).backward()  # inf once scaled
+    with pytest.warns(amp_patch.AmpWarning, match=r"inf/NaN gradients for SGD.*dropped") as rec:
+        amp_patch.deinitialize()
+    assert rec[0].filename == __file__
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+
+
+def test_deinitialize_from_inside_a_backward_is_refused_and_changes_nothing():
+    model = _gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, "O1", half_dtype=torch.float16, verbosity=0)
+    refused = []
+
+    def call():
+        try:
+            amp_patch.deinitialize()
+        except amp_patch.StateError as e:
+            refused.append(str(e))
+
+    model[1].in_backward = call
+    try:
+        _loss(model, torch.randn(4, 8)).backward()
+        assert len(refused) == 1
+        assert "from inside a loss.backward() amp_patch scales in the same thread" in refused[0]
+        assert "call it after the step" in refused[0]
+        assert amp_patch.is_initialized()
+        assert model[0].weight.grad.dtype == torch.float32
+    finally:
+        model[1].in_backward = None
+        amp_patch.deinitialize()
+
+
+def test_deinitialize_waits_for_a_forward_in_flight_so_it_ends_in_one_precision():
+    model = _gated()
+    amp_patch.initialize(model, None, "O1", half_dtype=torch.bfloat16, verbosity=0)
+    gate = model[1]
+    gate.hold = "forward"
+    out = []
+    trainer, errors = _in_thread(lambda: out.append(model(torch.randn(4, 8))))
+    assert gate.reached.wait(TIMEOUT)
+    closer, closer_errors = _in_thread(amp_patch.deinitialize)
+    closer.join(0.3)
+    assert closer.is_alive() and amp_patch.is_initialized()
+    gate.release.set()
+    trainer.join(TIMEOUT)
+    closer.join(TIMEOUT)
+    assert not errors and not closer_errors, errors + closer_errors
+    assert out[0].dtype == torch.bfloat16  # the whole forward ran under the session
+    gate.hold = None
+    assert model(torch.randn(4, 8)).dtype == torch.float32  # and the next one without it
+
+
+def test_a_forward_that_starts_while_deinitialize_runs_waits_and_runs_unpatched(monkeypatch):
+    from amp_patch import inflight
+
+    model = _gated()
+    amp_patch.initialize(model, None, "O1", half_dtype=torch.bfloat16, verbosity=0)
+    flight = amp_patch._state.current().flight
+    out = []
+    with flight.hold("test"):
+        trainer, errors = _in_thread(lambda: out.append(model(torch.randn(4, 8))))
+        trainer.join(0.3)
+        assert trainer.is_alive() and not out  # held at the model's forward pre-hook
+        # what deinitialize does inside its hold
+        from amp_patch import frontend
+
+        frontend._teardown(amp_patch._state.current())
+        flight.ended = True
+    trainer.join(TIMEOUT)
+    assert not errors, errors
+    assert out[0].dtype == torch.float32
+    assert not flight._work  # the forward that started after the end counted nothing
+    assert inflight.WAIT_SECONDS > 0
+
+
+def test_deinitialize_gives_up_naming_the_busy_thread_and_changes_nothing(monkeypatch):
+    from amp_patch import inflight
+
+    monkeypatch.setattr(inflight, "WAIT_SECONDS", 0.2)
+    model = _gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, "O1", half_dtype=torch.float16, verbosity=0)
+    gate = model[1]
+    gate.hold = "backward"
+    loss = _loss(model, torch.randn(4, 8))
+    trainer, errors = _in_thread(loss.backward)
+    try:
+        assert gate.reached.wait(TIMEOUT)
+        with pytest.raises(amp_patch.StateError, match=r"waited 0.2 s .*thread 'trainer' in a loss.backward\(\) amp_patch scales.*nothing was changed"):
+            amp_patch.deinitialize()
+        assert amp_patch.is_initialized()
+        with pytest.raises(amp_patch.StateError, match=r"initialize\(\) waited"):
+            amp_patch.initialize(nn.Linear(2, 2), None, "O1", half_dtype=torch.float16, verbosity=0)
+    finally:
+        gate.release.set()
+        trainer.join(TIMEOUT)
+    assert not errors, errors
+    gate.hold = None
+    opt.step()  # patched: unscales first
+    assert all(torch.isfinite(p).all() and p.abs().max() < 10 for p in model.parameters())
+    amp_patch.deinitialize()
+
+
+def test_initialize_and_deinitialize_from_another_thread_while_one_trains():
+    # The reported race: thread B toggles amp_patch while thread A trains. A
+    # must never crash and never apply a scaled gradient.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    data = [(torch.randn(8, 8), torch.randn(8, 1)) for _ in range(60)]
+    stop = threading.Event()
+
+    def train():
+        for x, y in data:
+            opt.zero_grad()
+            F.mse_loss(model(x).float(), y).backward()
+            opt.step()
+        stop.set()
+
+    def toggle():
+        while not stop.is_set():
+            # a static scale: no step is skipped, so A follows the FP32 run
+            amp_patch.initialize(model, opt, "O1", half_dtype=torch.float16, loss_scale=128.0, verbosity=0)
+            time.sleep(0.002)
+            amp_patch.deinitialize()
+            time.sleep(0.001)
+
+    trainer, errors = _in_thread(train)
+    toggler, toggle_errors = _in_thread(toggle)
+    trainer.join(TIMEOUT)
+    stop.set()
+    toggler.join(TIMEOUT)
+    assert not errors and not toggle_errors, errors + toggle_errors
+    for x, y in data:
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.dtype == torch.float32
+        assert (p - r).abs().max() < 0.05, "a step applied a scaled or half-broken gradient"
