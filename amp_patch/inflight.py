@@ -23,6 +23,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Optional
 
+import torch
+
+from . import copies
 from .errors import StateError
 
 #: how long initialize/deinitialize wait for other threads' work in flight
@@ -123,43 +126,87 @@ class _Hold:
             f._cv.notify_all()
 
 
-class Forward:
-    """Forward pre-hook and always-called forward hook of an initialized model: one forward in flight."""
+class _Forwards:
+    """What the two forward hooks of one session share: per thread, whether each
+    forward in flight was counted."""
 
     def __init__(self, flight: InFlight):
         self.flight = flight
-        self.entered = threading.local()
+        self.counted = threading.local()
 
-    def pre(self, module: Any, args: Any) -> None:
+
+class ForwardStart:
+    """Forward pre-hook of an initialized model: a forward starts."""
+
+    def __init__(self, shared: _Forwards):
+        self.shared = shared
+
+    def __deepcopy__(self, memo: dict) -> "ForwardStart | ForwardEnd":
+        return self  # shares the session's lock; the copy rule then drops the hook
+
+    def __call__(self, module: Any, args: Any) -> None:
         # A forward that starts after the session ended counts nothing, and its
-        # post hook (called even so when torch collected it before the removal)
-        # must not leave: each thread keeps whether each of its forwards entered.
-        stack = getattr(self.entered, "stack", None)
+        # end hook (called even so when torch collected it before the removal)
+        # must not leave: each thread keeps whether each of its forwards counted.
+        s = self.shared
+        stack = getattr(s.counted, "stack", None)
         if stack is None:
-            stack = self.entered.stack = []
-        stack.append(self.flight.enter("forward"))
+            stack = s.counted.stack = []
+        stack.append(s.flight.enter("forward"))
 
-    def post(self, module: Any, args: Any, output: Any) -> None:
-        stack = getattr(self.entered, "stack", None)
+
+class ForwardEnd:
+    """Forward hook (always called, on errors too) of an initialized model: the forward ended."""
+
+    def __init__(self, shared: _Forwards):
+        self.shared = shared
+
+    def __deepcopy__(self, memo: dict) -> "ForwardStart | ForwardEnd":
+        return self  # shares the session's lock; the copy rule then drops the hook
+
+    def __call__(self, module: Any, args: Any, output: Any) -> None:
+        s = self.shared
+        stack = getattr(s.counted, "stack", None)
         if stack and stack.pop():
-            self.flight.leave()
+            s.flight.leave()
+
+
+#: the hooks ``watch`` adds: a copy of the model drops them (copies.py)
+HOOK_TYPES = (ForwardStart, ForwardEnd)
 
 
 class _Unwatch:
-    """Undo callback: the forward hooks off a model."""
+    """Undo callback: the forward hooks (and the copy rule, if ``watch`` set it) off a model."""
 
-    def __init__(self, handles: List[Any]):
-        self.handles = handles
+    def __init__(self, model: Any, handles: List[Any], copyable: bool):
+        self.model, self.handles, self.copyable = model, handles, copyable
 
     def __call__(self) -> None:
         for h in self.handles:
             h.remove()
+        if self.copyable:
+            copies.remove(self.model)
+
+
+def _no_value(*args: Any) -> None:
+    return None
 
 
 def watch(amp: Any, models: List[Any]) -> None:
-    """Track the forwards of ``models`` as work in flight of ``amp``'s session."""
-    hook = Forward(amp.flight)
+    """Track the forwards of ``models`` as work in flight of ``amp``'s session.
+
+    A deep copy or pickle of a watched model leaves the hooks behind (they hold
+    the session's lock, and a copy is not the session's): a converted model's
+    copy rule drops them already, any other model gets one that only does that.
+    """
+    shared = _Forwards(amp.flight)
     for m in models:
-        handles = [m.register_forward_pre_hook(hook.pre, prepend=True)]
-        amp.undo_callbacks.append(_Unwatch(handles))
-        handles.append(m.register_forward_hook(hook.post, always_call=True))
+        if isinstance(m, torch.jit.ScriptModule):
+            continue  # takes no hooks; it runs in FP32 under O1 anyway (diagnostics says so)
+        copyable = "__deepcopy__" not in m.__dict__
+        handles: List[Any] = []
+        amp.undo_callbacks.append(_Unwatch(m, handles, copyable))
+        if copyable:
+            copies.install(m, copies.Plan(_no_value, {}, HOOK_TYPES, _no_value))
+        handles.append(m.register_forward_pre_hook(ForwardStart(shared), prepend=True))
+        handles.append(m.register_forward_hook(ForwardEnd(shared), always_call=True))

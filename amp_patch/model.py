@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _state, compat, copies, fused, master
+from . import _state, compat, copies, fused, inflight, master
 from ._cast import CASTABLE, LOW, cast, needs_cast
 from .errors import ConfigError, StateError
 from .properties import parse_dtype
@@ -167,7 +167,7 @@ class LoadIntoMasters:
 
 
 #: amp_patch's module hooks: a copy of a converted model drops them (copies.py)
-_HOOK_TYPES = (CastInputs, CastOutputs, SaveFP32, LoadIntoMasters, SyncWritten)
+_HOOK_TYPES = (CastInputs, CastOutputs, SaveFP32, LoadIntoMasters, SyncWritten) + inflight.HOOK_TYPES
 
 
 # ------------------------------------------------------------------ options

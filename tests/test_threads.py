@@ -599,3 +599,22 @@ def test_initialize_and_deinitialize_from_another_thread_while_one_trains():
     for p, r in zip(model.parameters(), ref.parameters()):
         assert p.dtype == torch.float32
         assert (p - r).abs().max() < 0.05, "a step applied a scaled or half-broken gradient"
+
+
+def test_copies_of_an_o1_model_carry_no_tracking_hooks_and_deinitialize_removes_them():
+    import pickle
+
+    model = nn.Sequential(nn.Linear(8, 4), nn.Tanh())  # (the gate's events do not pickle)
+    amp_patch.initialize(model, None, "O1", half_dtype=torch.bfloat16, verbosity=0)
+    try:
+        assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+        twin = copy.deepcopy(model)
+        back = pickle.loads(pickle.dumps(model))
+        for m in (twin, back):
+            assert not m._forward_pre_hooks and not m._forward_hooks and not m._forward_hooks_always_called
+            assert "__deepcopy__" not in vars(m)
+            assert m(torch.randn(2, 8)).dtype == torch.bfloat16  # it runs, cast like any code under O1
+    finally:
+        amp_patch.deinitialize()
+    assert not model._forward_pre_hooks and not model._forward_hooks and not model._forward_hooks_always_called
+    assert "__deepcopy__" not in vars(model) and "__reduce_ex__" not in vars(model)
