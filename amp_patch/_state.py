@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ._cast import CastCache
 from ._patch import Patcher
 from .inflight import InFlight
+from .options import Options
 from .properties import Properties
 from .wrappers import Live
 
@@ -31,7 +32,7 @@ class AmpState:
         self.optimizer_handles: Dict[int, Any] = {}  # id(optimizer) -> attachment
         self.scalers: List[Any] = []  # one LossScaler per loss id
         self.ledger: Any = None  # op ledger when collect_stats=True
-        self.options: Dict[str, Any] = {}  # extra keyword options (scaler, stats, ...)
+        self.options = Options()  # amp_patch's own keywords, set by the first initialize
         self.undo_callbacks: List[Callable[[], None]] = []  # run in reverse at deinitialize
         self.flight = InFlight()  # forwards, backwards and steps in flight, per thread
 

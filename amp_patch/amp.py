@@ -85,6 +85,8 @@ def initialize(
     verbosity: int = 1,
     min_loss_scale: Optional[float] = None,
     max_loss_scale: float = 2.0**24,
+    *,
+    half_dtype: Any = None,
 ) -> Any:
     """apex.amp.initialize: the same arguments, the same return value.
 
@@ -108,6 +110,8 @@ def initialize(
         min_loss_scale: floor of the dynamic loss scale (None: amp_patch's
             default, 1.0).
         max_loss_scale: ceiling of the dynamic loss scale.
+        half_dtype: amp_patch's keyword, not Apex's: ``torch.float16`` or
+            ``torch.bfloat16`` (default: FP16 on CUDA, BF16 on CPU; O4/O5 BF16).
 
     Returns:
         ``models`` or ``(models, optimizers)``, in the structure given.
@@ -137,7 +141,7 @@ def initialize(
     )
     overrides = {k: v for k, v in overrides.items() if v is not None}
     out = _frontend.initialize(
-        models, optimizers, opt_level, verbosity=verbosity,
+        models, optimizers, opt_level, half_dtype=half_dtype, verbosity=verbosity,
         num_losses=num_losses, max_loss_scale=max_loss_scale, **overrides,
     )
     _enabled = True

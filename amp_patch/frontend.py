@@ -14,7 +14,7 @@ import functools
 import importlib
 import logging
 import threading
-from typing import Any, Callable, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,6 +22,7 @@ from . import _state, inflight, oplists
 from ._state import AmpState
 from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
+from .options import Options
 from .properties import EXTRA_OPTIONS, Properties, resolve
 from .wrappers import _DecoratorPolicy, make_wrapper, pop_disabled, push_disabled
 
@@ -140,7 +141,7 @@ def initialize(
     *,
     half_dtype: Any = None,
     lists: Any = None,
-    verbosity: int = 1,
+    verbosity: Optional[int] = None,
     **overrides: Any,
 ) -> Any:
     """Enable mixed precision for existing models and optimizers.
@@ -155,7 +156,7 @@ def initialize(
             default FP16 for a CUDA model and BF16 for a CPU model.
         lists: op-list overrides: a YAML path, a dict, or a list of them
             (``$AMP_PATCH_LISTS`` adds more).
-        verbosity: 0 silences amp_patch's informational messages.
+        verbosity: 0 silences amp_patch's informational messages (default 1).
         **overrides: apex.amp property overrides (``cast_model_type``,
             ``patch_torch_functions``, ``keep_batchnorm_fp32``,
             ``master_weights``, ``loss_scale``, ``cast_model_outputs``) and the
@@ -203,28 +204,39 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     opt_list, opts_were_list = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
     # What the launcher (or amp_patch.auto) started is provisional: a script's
     # own initialize replaces it, keeping the launcher's half dtype and op
-    # lists unless this call names its own, so nothing is patched twice.
-    prov = _state.current()
-    if prov is not None and getattr(prov, "provisional", None) is not None:
+    # lists unless this call names its own, so nothing is patched twice. It is
+    # torn down only once this call has passed every check, so a bad call
+    # leaves the launcher's session running.
+    lists_given = lists is not None
+    running = _state.current()
+    prov = running if running is not None and getattr(running, "provisional", None) is not None else None
+    if prov is not None:
+        running = None
         half_dtype = prov.provisional.get("half_dtype") if half_dtype is None else half_dtype
         lists = prov.provisional.get("lists") if lists is None else lists
         if overrides.get("cast_model_outputs") is None and prov.provisional.get("cast_model_outputs") is not None:
             overrides["cast_model_outputs"] = prov.provisional["cast_model_outputs"]
-        _teardown(prov)
-    if isinstance(verbosity, bool) or not isinstance(verbosity, int) or verbosity < 0:
-        raise ConfigError(f"initialize: verbosity={verbosity!r} must be an integer >= 0 (0 silences amp_patch's messages, 1 is the default)")
-    options = {k: overrides.pop(k) for k in list(overrides) if k in EXTRA_OPTIONS}
-    options["verbosity"] = verbosity
+    options = Options.build(verbosity=verbosity, **{k: overrides.pop(k) for k in list(overrides) if k in EXTRA_OPTIONS})
     device_type = _device_type(model_list)
     props = resolve(opt_level, device_type, half_dtype, **overrides)
+    if not options.enabled:
+        # apex.amp's enabled=False: everything as it was, the models and optimizers handed back
+        if prov is not None:
+            _teardown(prov)
+        return _returned(models, model_list, models_were_list, optimizers, opt_list, opts_were_list)
     if props.cast_model_type is not None and not model_list:
         raise ConfigError(f"opt_level={props.opt_level!r} casts the model, so initialize needs the model (got none)")
     _check_models(model_list, props)
+    if lists_given and not props.patch_torch_functions:
+        raise ConfigError(
+            f"lists= overrides the op lists, but opt_level={props.opt_level!r} patches no functions (it casts the "
+            f"model instead), so they would do nothing. Use O1 or O4 for op lists, or drop lists="
+        )
     table = oplists.load(lists).resolve(props.half_dtype, device_type) if props.patch_torch_functions else None
     scaling.validate_options(props, options)
-    model_side.validate(model_list, opt_list, props, options)
+    model_side.validate(model_list, opt_list, props, options, running)
 
-    amp = _state.current()
+    amp = running
     fresh = amp is None
     if not fresh:
         if amp.props != props:
@@ -239,10 +251,19 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         clash = [m for m in model_list if any(m is x for x in amp.models)]
         if clash:
             raise ConfigError(f"model {type(clash[0]).__name__} is already initialized; pass each model to initialize once")
+        differ = options.differences(amp.options)
+        if differ:
+            raise ConfigError(
+                f"initialize: {', '.join(differ)}: these options belong to the whole session and the first "
+                f"initialize set them. Leave them out of this call (or pass the running values), or call "
+                f"amp_patch.deinitialize() and initialize everything in one call."
+            )
     else:
+        if prov is not None:
+            _teardown(prov)
         amp = AmpState(props, table, device_type)
         amp.options = options
-        if options.get("collect_stats"):
+        if options.collect_stats:
             from .stats import Ledger
 
             amp.ledger = Ledger()
@@ -253,7 +274,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     try:
         if fresh:
             _state.set_current(amp)
-        model_side.attach(amp, model_list, opt_list)
+        model_side.attach(amp, model_list, opt_list, options)
         inflight.watch(amp, model_list)
         scaling.attach(amp, opt_list, fresh)
         amp.models.extend(model_list)
@@ -263,7 +284,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
                 amp.patcher.apply(_patch_items(amp) + _dataloader_items())
                 if amp.ledger is not None:
                     amp.ledger.start(amp)
-            if options.get("find_overflow"):
+            if options.find_overflow:
                 from . import diagnostics
 
                 diagnostics.arm_find_overflow(amp)
@@ -282,12 +303,17 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
             del amp.models[n_models:]
             del amp.optimizers[n_opts:]
         raise
-    if fresh and verbosity:
+    if fresh and options.verbosity:
         log.info("amp_patch: initialized %s with %s", props.opt_level, props.half_dtype)
         from . import diagnostics
 
         diagnostics.warn_at_initialize(amp, model_list, opt_list)
 
+    return _returned(models, model_list, models_were_list, optimizers, opt_list, opts_were_list)
+
+
+def _returned(models, model_list, models_were_list, optimizers, opt_list, opts_were_list):
+    """``initialize``'s result: what it was given, in the structure it was given."""
     out_models = model_list if models_were_list else (model_list[0] if model_list else models)
     if optimizers is None:
         return out_models

@@ -71,18 +71,15 @@ def check(optimizer: torch.optim.Optimizer) -> Optional[str]:
     return None
 
 
-def validate(props: Any, options: dict, optimizers: List[torch.optim.Optimizer]) -> None:
-    """Check ``fused_update`` before anything changes.
+def validate(props: Any, options: Any, optimizers: List[torch.optim.Optimizer]) -> None:
+    """Check ``options.fused_update`` against the opt level and optimizers before anything changes.
 
     Raises:
         ConfigError: naming what the fused update needs and the fix.
     """
     from .errors import ConfigError
 
-    on = options.get("fused_update", False)
-    if not isinstance(on, bool):
-        raise ConfigError(f"initialize: fused_update={on!r} must be True or False")
-    if not on:
+    if not options.fused_update:
         return
     if not props.master_weights:
         raise ConfigError(

@@ -24,6 +24,7 @@ import threading
 from typing import Any, Dict, List, Optional
 
 import torch
+from torch.compiler import is_compiling
 
 from . import copies
 from .errors import StateError
@@ -148,6 +149,8 @@ class ForwardStart:
         # A forward that starts after the session ended counts nothing, and its
         # end hook (called even so when torch collected it before the removal)
         # must not leave: each thread keeps whether each of its forwards counted.
+        if is_compiling():
+            return  # a compiled forward is one graph: not tracked, and no graph break
         s = self.shared
         stack = getattr(s.counted, "stack", None)
         if stack is None:
@@ -165,6 +168,8 @@ class ForwardEnd:
         return self  # shares the session's lock; the copy rule then drops the hook
 
     def __call__(self, module: Any, args: Any, output: Any) -> None:
+        if is_compiling():
+            return
         s = self.shared
         stack = getattr(s.counted, "stack", None)
         if stack and stack.pop():

@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import _state, compat, copies, fused, inflight, master
 from ._cast import CASTABLE, LOW, cast, needs_cast
 from .errors import ConfigError, StateError
+from .options import Options
 from .properties import parse_dtype
 
 Tensor = torch.Tensor
@@ -174,19 +175,12 @@ _HOOK_TYPES = (CastInputs, CastOutputs, SaveFP32, LoadIntoMasters, SyncWritten) 
 
 
 def _filter(keep_fp32: Any, models: Sequence[nn.Module]) -> Optional[Filter]:
-    """``keep_fp32`` as a ``(module, name) -> bool`` filter, or ConfigError."""
-    if keep_fp32 is None:
-        return None
-    if callable(keep_fp32):
+    """``Options.keep_fp32`` as a ``(module, name) -> bool`` filter; ConfigError
+    when a pattern matches no module of ``models``."""
+    if keep_fp32 is None or callable(keep_fp32):
         return keep_fp32
-    patterns = [keep_fp32] if isinstance(keep_fp32, str) else keep_fp32
-    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
-        raise ConfigError(
-            f"keep_fp32={keep_fp32!r} must be a callable (module, name) -> bool or a list of "
-            f"module-name patterns such as ['classifier', '*.norm*']"
-        )
     names = [(n, type(m).__name__) for model in models for n, m in model.named_modules() if n]
-    for pat in patterns:
+    for pat in keep_fp32:
         if not any(fnmatch.fnmatchcase(n, pat) or fnmatch.fnmatchcase(c, pat) for n, c in names):
             pool = sorted({n for n, _ in names} | {c for _, c in names})
             near = difflib.get_close_matches(pat, pool, 3)
@@ -196,7 +190,7 @@ def _filter(keep_fp32: Any, models: Sequence[nn.Module]) -> Optional[Filter]:
                 f"(patterns are matched with fnmatch against dotted names like 'encoder.layers.0.norm1' "
                 f"and class names like 'LayerNorm')"
             )
-    return _PatternFilter(tuple(patterns))
+    return _PatternFilter(tuple(keep_fp32))
 
 
 class _PatternFilter:
@@ -208,31 +202,26 @@ class _PatternFilter:
         return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(cls, p) for p in self.patterns)
 
 
-def _save_dtype(value: Any) -> torch.dtype:
-    if value is None:
-        return f32
-    return parse_dtype(value, "save_dtype", (torch.float16, torch.bfloat16, torch.float32))
-
-
-def validate(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], props: Any, options: dict) -> None:
-    """Check models, optimizers and model options before anything changes.
+def validate(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], props: Any, options: Options,
+             running: Any) -> None:
+    """Check models, optimizers and model options before anything changes;
+    ``running`` is the session they would join, or None for a new one.
 
     Raises:
         ConfigError: naming the model, optimizer or option and the fix.
     """
     compat.check_models(models, props)
     casts_half = props.cast_model_type in LOW
-    if options.get("keep_fp32") is not None:
+    if options.keep_fp32 is not None:
         if not casts_half:
             raise ConfigError(
                 f"keep_fp32 keeps modules of a half-precision model in FP32, but opt_level={props.opt_level!r} "
                 f"does not cast the model; use it with O2, O3 or O5"
             )
-        _filter(options["keep_fp32"], models)
-    _save_dtype(options.get("save_dtype"))
+        _filter(options.keep_fp32, models)
     fused.validate(props, options, list(optimizers))
 
-    amp = _state.current()
+    amp = running
     for i, opt in enumerate(optimizers):
         if amp is not None and id(opt) in amp.optimizer_handles and amp.optimizer_handles[id(opt)].patched:
             raise ConfigError(f"optimizer {i} ({type(opt).__name__}) is already attached; pass each optimizer to initialize once")
@@ -524,8 +513,9 @@ class _Release:
         self.masters.restore()
 
 
-def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Convert ``models`` and put FP32 masters into ``optimizers``.
+def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], options: Options) -> None:
+    """Convert ``models`` and put FP32 masters into ``optimizers``, with this
+    call's ``options`` (``keep_fp32``, ``save_dtype``, ``fused_update``).
 
     Undo work is appended to ``amp.undo_callbacks`` as it is done, so a failure
     half way, or ``deinitialize``, restores the models and optimizers.
@@ -536,10 +526,10 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
     originals: Dict[int, tuple] = {}
     dtype = props.cast_model_type
     if dtype is not None:
-        keep = _filter(amp.options.get("keep_fp32"), models)
+        keep = _filter(options.keep_fp32, models)
         keep_bn = bool(props.keep_batchnorm_fp32)
         out_dtype = props.cast_model_outputs or f32
-        save_dtype = _save_dtype(amp.options.get("save_dtype"))
+        save_dtype = options.save_dtype
         for m in models:
             rec = _Converted(m)
             # registered before the first change, so a failure half way is undone too
@@ -547,7 +537,7 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
             amp.undo_callbacks.append(_Unconvert(rec))
             _convert(rec, dtype, out_dtype, keep_bn, keep, save_dtype, originals)
     elif props.master_weights:
-        save_dtype = _save_dtype(amp.options.get("save_dtype"))
+        save_dtype = options.save_dtype
         for m in models:
             rec = _hook_only(m, save_dtype)
             amp.model_handles.append(rec)
@@ -565,5 +555,5 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
             handle.masters = mw
             for group in opt.param_groups:
                 mw.adopt(group, originals)
-            if amp.options.get("fused_update"):
+            if options.fused_update:
                 handle.fused = fused.FusedUpdate(mw)

@@ -26,6 +26,7 @@ were written ``with scale_loss(loss, all_optimizers): ...``. Anything else
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import types
@@ -36,43 +37,30 @@ import torch
 
 from . import _state, diagnostics, leaves, master
 from .errors import ConfigError, OverflowLoopError, StateError
+from .options import Options
 from .scaler import LossScaler
 from .wrappers import OpWrapper, switch
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
 
-#: defaults of the options this module owns (``initialize`` keywords)
-MAX_CONSECUTIVE_SKIPS = 20
-_SCALER_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
-                   "min_loss_scale", "max_loss_scale")
 _NOTSET = object()
 
 
 # ------------------------------------------------------------------ options
 
 
-def _scaler_kwargs(options: dict) -> dict:
-    return {k: options[k] for k in _SCALER_OPTIONS if options.get(k) is not None}
-
-
-def validate_options(props: Any, options: dict) -> None:
-    """Check the loss-scaler options before anything changes.
+def validate_options(props: Any, options: Options) -> None:
+    """Check the loss-scaler options against the opt level's loss scale before anything changes.
 
     Raises:
         ConfigError: (a ``ValueError``) naming the option, e.g.
             ``growth_factor=0.5 must be > 1``.
     """
     try:
-        LossScaler(props.loss_scale, **_scaler_kwargs(options))
+        LossScaler(props.loss_scale, **options.scaler_kwargs())
     except ValueError as e:
         raise ConfigError(f"initialize: {e}") from None
-    n = options.get("num_losses", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"initialize: num_losses={n!r} must be an integer >= 1 (one loss scaler per loss)")
-    k = options.get("max_consecutive_skips", MAX_CONSECUTIVE_SKIPS)
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        raise ConfigError(f"initialize: max_consecutive_skips={k!r} must be an integer >= 1, or None to never stop")
 
 
 # ------------------------------------------------------------------ state
@@ -133,18 +121,18 @@ class Run:
 
     def __init__(self, amp: Any):
         self.amp = amp
-        opts = amp.options
+        opts: Options = amp.options
         self.scalers: List[LossScaler] = [
-            LossScaler(amp.props.loss_scale, **_scaler_kwargs(opts)) for _ in range(opts.get("num_losses", 1))
+            LossScaler(amp.props.loss_scale, **opts.scaler_kwargs()) for _ in range(opts.num_losses)
         ]
-        self.max_skips = opts.get("max_consecutive_skips", MAX_CONSECUTIVE_SKIPS)
+        self.max_skips = opts.max_consecutive_skips
         self.handles: List[Handle] = []  # patched, in attach order: what a plain backward feeds
         self.found: Dict[Tuple[int, torch.device], Tensor] = {}  # (loss, device) -> inf/NaN flag this step
         self.checked: set = set()  # losses checked since the last verdict
         self.inv: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
         self.dirty = False  # something awaits a transfer or a verdict
         self.plain = False  # the patched backward has work to do
-        self.notices = _Notices(opts.get("verbosity", 1))
+        self.notices = _Notices(opts.verbosity)
         self.warned_foreign = False  # said once that a backward reached an unattached optimizer's parameters
 
     def refresh_plain(self) -> None:
@@ -929,10 +917,12 @@ def adopt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         h = amp.optimizer_handles.get(id(optimizer))
         if h is not None and h.optimizer is optimizer and h.patched:
             return optimizer
-        model_side.validate([], [optimizer], amp.props, {})
+        # the first initialize's fused_update applies to an adopted optimizer; no models come with it
+        options = dataclasses.replace(amp.options, keep_fp32=None)
+        model_side.validate([], [optimizer], amp.props, options, amp)
         n = len(amp.undo_callbacks)
         try:
-            model_side.attach(amp, [], [optimizer])
+            model_side.attach(amp, [], [optimizer], options)
             attach(amp, [optimizer], fresh=False)
         except BaseException:
             for cb in reversed(amp.undo_callbacks[n:]):

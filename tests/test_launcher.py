@@ -389,3 +389,16 @@ def test_import_auto_with_a_bad_variable_raises_naming_it(monkeypatch):
         importlib.import_module("amp_patch.auto")
     sys.modules.pop("amp_patch.auto", None)
     assert not amp_patch.is_initialized()
+
+
+def test_a_scripts_bad_initialize_leaves_the_launchers_session_running(tmp_path, adopted):
+    # Before, the launcher's session was torn down before the script's call was
+    # checked, so the error left AMP off although it said nothing had changed.
+    own = ("try:\n        amp_patch.initialize(model, None, opt_level='O9')\n"
+           "    except amp_patch.ConfigError as e:\n        err = str(e)")
+    script = write(tmp_path, "train.py", TRAIN.format(own=own))
+    out = launcher.run(str(script), [], Settings.resolve(opt_level="O1"))
+    assert "opt_level='O9' is not an opt level" in out["err"]
+    assert out["state"] is out["launcher_state"] and out["state"].provisional is not None
+    assert out["patches"] == out["launcher_patches"] > 0
+    assert out["out"].dtype == torch.float32 and not amp_patch.is_initialized()
