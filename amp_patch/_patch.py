@@ -54,10 +54,11 @@ class Patcher:
         rec = self._index.get((id(owner), name))
         return getattr(owner, name) if rec is None else rec.old
 
-    def apply(self, items: List[Tuple[Any, str, Callable[[Any], Any]]]) -> None:
+    def apply(self, items: List[Tuple[Any, str, Callable[[Any], Any]]]) -> int:
         """Patch each ``(owner, name, make_wrapper)``; ``make_wrapper(original)``.
 
         A name we already patched is skipped: we never wrap our own wrapper.
+        Returns how many were patched (``undo(n)`` takes them off again).
         """
         done = 0
         try:
@@ -75,6 +76,7 @@ class Patcher:
         except BaseException:
             self.undo(done)
             raise
+        return done
 
     def undo(self, count: int | None = None) -> None:
         """Undo the last ``count`` patches (all by default), newest first."""

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
-from . import _state
+from . import session
 from . import frontend as _frontend
 from .errors import ConfigError
 from .frontend import (
@@ -59,7 +59,7 @@ _enabled: Optional[bool] = None
 
 
 def _passthrough() -> bool:
-    return _enabled is False and _state.current() is None
+    return _enabled is False and session.current() is None
 
 
 def _top():
@@ -124,7 +124,7 @@ def initialize(
     global _enabled
     if not enabled:
         _enabled = False
-        cur = _state.current()
+        cur = session.current()
         if cur is not None and getattr(cur, "provisional", None) is not None:
             # The script turned AMP off itself; its word beats the launcher's.
             log.info("amp_patch: the script called amp.initialize(enabled=False); mixed precision is off")
@@ -190,7 +190,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 
         torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
     """
-    if _state.current() is None:
+    if session.current() is None:
         # Before initialize, or with enabled=False: Apex yields the
         # optimizer's own parameters.
         return (p for group in optimizer.param_groups for p in group["params"])

@@ -20,8 +20,8 @@ Example::
 """
 from __future__ import annotations
 
-from .launcher import Session, Settings
+from .launcher import Launch, Settings
 
 #: the running session; ``session.stop()`` undoes what the import did
-session = Session(Settings.resolve())
+session = Launch(Settings.resolve())
 session.start()

@@ -35,7 +35,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _modes, _state
+from . import _modes, session
 from ._cast import LOW
 from .errors import StateError
 from .oplists import NAMESPACES, OPERATOR_FORMS
@@ -632,7 +632,7 @@ def arm_find_overflow(amp: Any, once: bool = False) -> None:
     w = _watch if _watch is not None and _watch.amp is amp else None
     if w is None:
         w = _watch = _OverflowWatch(amp, once)
-        amp.undo_callbacks.append(lambda: _release(w))
+        amp.undo.push(lambda: _release(w))
     elif w.armed and not w.once:
         return  # already armed for every step
     else:
@@ -713,7 +713,7 @@ def find_overflow() -> None:
             loss_fn(model(x), y).backward()
             optimizer.step()
     """
-    amp = _state.current()
+    amp = session.current()
     if amp is None:
         raise StateError(
             "amp_patch.find_overflow() needs a running AMP: call amp_patch.initialize(...) first "

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _state, inflight, oplists
-from ._state import AmpState
+from . import session, inflight, oplists
+from .session import Session
 from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
 from .options import Options
@@ -75,7 +75,7 @@ def _check_models(models: Sequence[torch.nn.Module], props: Properties) -> None:
             )
 
 
-def _patch_items(amp: AmpState) -> list:
+def _patch_items(amp: Session) -> list:
     """(owner, name, make_wrapper) for every op in force, plus user registrations."""
     items = []
     for (ns, name), e in sorted(amp.table.items()):
@@ -118,13 +118,13 @@ def _uncast(original: Callable) -> Callable:
     return fetch
 
 
-def _user_item(owner: Any, name: str, policy: str, amp: AmpState) -> tuple:
+def _user_item(owner: Any, name: str, policy: str, amp: Session) -> tuple:
     """The patch item for a register_*_function registration."""
     qual = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
     return (owner, name, _maker(policy, qual, isinstance(owner, type), amp, ""))
 
 
-def _maker(policy: str, qualname: str, method: bool, amp: AmpState, fix: str) -> Callable:
+def _maker(policy: str, qualname: str, method: bool, amp: Session, fix: str) -> Callable:
     def make(original):
         return make_wrapper(
             policy, qualname, original, method=method, half=amp.props.half_dtype,
@@ -184,16 +184,12 @@ def initialize(
         amp_patch.deinitialize()   # torch exactly as before
     """
     with _lock:
-        amp = _state.current()
+        amp = session.current()
         if amp is None:
             return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides)
         # a running session changes only between other threads' forwards, backwards and steps
         with amp.flight.hold("amp_patch.initialize()"):
-            try:
-                return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides)
-            finally:
-                if _state.current() is not amp:
-                    amp.flight.ended = True
+            return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides)
 
 
 def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides):
@@ -208,7 +204,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     # torn down only once this call has passed every check, so a bad call
     # leaves the launcher's session running.
     lists_given = lists is not None
-    running = _state.current()
+    running = session.current()
     prov = running if running is not None and getattr(running, "provisional", None) is not None else None
     if prov is not None:
         running = None
@@ -222,7 +218,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     if not options.enabled:
         # apex.amp's enabled=False: everything as it was, the models and optimizers handed back
         if prov is not None:
-            _teardown(prov)
+            prov.end()
         return _returned(models, model_list, models_were_list, optimizers, opt_list, opts_were_list)
     if props.cast_model_type is not None and not model_list:
         raise ConfigError(f"opt_level={props.opt_level!r} casts the model, so initialize needs the model (got none)")
@@ -260,28 +256,25 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
             )
     else:
         if prov is not None:
-            _teardown(prov)
-        amp = AmpState(props, table, device_type)
-        amp.options = options
+            prov.end()
+        amp = Session(props, table, device_type, options)
         if options.collect_stats:
             from .stats import Ledger
 
             amp.ledger = Ledger()
 
-    n_models, n_opts = len(amp.models), len(amp.optimizers)
-    n_undo, n_recs = len(amp.undo_callbacks), len(amp.model_handles)
-    known_opts = set(amp.optimizer_handles)
+    mark = amp.undo.mark()
     try:
         if fresh:
-            _state.set_current(amp)
+            session.set_current(amp)
         model_side.attach(amp, model_list, opt_list, options)
         inflight.watch(amp, model_list)
-        scaling.attach(amp, opt_list, fresh)
-        amp.models.extend(model_list)
-        amp.optimizers.extend(opt_list)
+        scaling.attach(amp, opt_list)
+        amp.extend(amp.models, model_list)
+        amp.extend(amp.optimizers, opt_list)
         if fresh:
             if props.patch_torch_functions:
-                amp.patcher.apply(_patch_items(amp) + _dataloader_items())
+                amp.patch(_patch_items(amp) + _dataloader_items())
                 if amp.ledger is not None:
                     amp.ledger.start(amp)
             if options.find_overflow:
@@ -289,19 +282,12 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
 
                 diagnostics.arm_find_overflow(amp)
     except BaseException:
+        # the first call ends the session it started; a later one pops back to
+        # where it started: its models unconverted, its optimizers as they were
         if fresh:
-            _teardown(amp)
+            amp.end()
         else:
-            # a later call that fails pops back to where it started: its
-            # models unconverted, its optimizers without masters or patches
-            for cb in reversed(amp.undo_callbacks[n_undo:]):
-                cb()
-            del amp.undo_callbacks[n_undo:]
-            del amp.model_handles[n_recs:]
-            for key in set(amp.optimizer_handles) - known_opts:
-                del amp.optimizer_handles[key]
-            del amp.models[n_models:]
-            del amp.optimizers[n_opts:]
+            amp.undo.pop_to(mark)
         raise
     if fresh and options.verbosity:
         log.info("amp_patch: initialized %s with %s", props.opt_level, props.half_dtype)
@@ -318,23 +304,6 @@ def _returned(models, model_list, models_were_list, optimizers, opt_list, opts_w
     if optimizers is None:
         return out_models
     return out_models, (opt_list if opts_were_list else opt_list[0])
-
-
-def _teardown(amp: AmpState) -> None:
-    """Undo everything ``amp`` did, newest first; never raises half way."""
-    errors = []
-    for cb in reversed(amp.undo_callbacks):
-        try:
-            cb()
-        except Exception as e:  # keep undoing: a partial undo is the worst outcome
-            errors.append(e)
-    amp.undo_callbacks.clear()
-    amp.patcher.undo()
-    amp.live.on = False
-    amp.cache.clear()
-    _state.set_current(None)
-    if errors:
-        raise errors[0]
 
 
 def deinitialize() -> None:
@@ -360,7 +329,7 @@ def deinitialize() -> None:
             ``inflight.WAIT_SECONDS``; nothing is changed.
     """
     with _lock:
-        amp = _state.current()
+        amp = session.current()
         if amp is None:
             return
         if amp.flight.inside("scale_loss"):
@@ -374,15 +343,12 @@ def deinitialize() -> None:
 
                 scaling.settle(amp)
             finally:
-                try:
-                    _teardown(amp)
-                finally:
-                    amp.flight.ended = True
+                amp.end()
 
 
 def is_initialized() -> bool:
     """True between ``initialize`` and ``deinitialize``."""
-    return _state.current() is not None
+    return session.current() is not None
 
 
 @contextlib.contextmanager
@@ -422,7 +388,7 @@ def _register(owner: Any, name: str, policy: str) -> None:
             break
     else:
         _user_registrations.append((owner, name, policy))
-    amp = _state.current()
+    amp = session.current()
     if amp is not None and amp.props.patch_torch_functions:
         with _lock:
             if amp.patcher.is_patched(owner, name):
@@ -430,7 +396,7 @@ def _register(owner: Any, name: str, policy: str) -> None:
                     f"{name} is already patched by the running amp_patch; register functions before "
                     f"initialize, or deinitialize and initialize again"
                 )
-            amp.patcher.apply([_user_item(owner, name, policy, amp)])
+            amp.patch([_user_item(owner, name, policy, amp)])
 
 
 def register_half_function(module: Any, name: str) -> None:

@@ -210,7 +210,7 @@ def watch(amp: Any, models: List[Any]) -> None:
             continue  # takes no hooks; it runs in FP32 under O1 anyway (diagnostics says so)
         copyable = "__deepcopy__" not in m.__dict__
         handles: List[Any] = []
-        amp.undo_callbacks.append(_Unwatch(m, handles, copyable))
+        amp.undo.push(_Unwatch(m, handles, copyable))
         if copyable:
             copies.install(m, copies.Plan(_no_value, {}, HOOK_TYPES, _no_value))
         handles.append(m.register_forward_pre_hook(ForwardStart(shared), prepend=True))

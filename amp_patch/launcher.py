@@ -42,8 +42,9 @@ import torch
 import wrapt
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from . import _state, diagnostics, oplists
+from . import diagnostics, oplists, session
 from ._patch import Patcher
+from .session import UndoStack
 from .errors import ConfigError
 from .properties import OPT_LEVELS, parse_dtype, resolve
 
@@ -281,10 +282,16 @@ def owning_model(optimizer: torch.optim.Optimizer) -> torch.nn.Module:
     return model
 
 
-# --------------------------------------------------------------------- session
+# --------------------------------------------------------------------- launch
 
 
-class Session:
+def _end_session() -> None:
+    from . import frontend
+
+    frontend.deinitialize()
+
+
+class Launch:
     """AMP for a whole process, started before the script and stopped after it.
 
     ``start()`` installs the apex alias and, by opt level, patches functions
@@ -293,10 +300,11 @@ class Session:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.amp: Any = None  # the AmpState this session started, if any
+        self.amp: Any = None  # the Session this launch started, if any
         self.stepped_aside = False
-        self._hook: Optional[OptimizerHook] = None
-        self._alias = False
+        #: what start() changed outside the session (alias, optimizer hook,
+        #: forward hook), each with its undo: stop() unwinds it
+        self.undo = UndoStack()
         #: initialize's set-up warnings, held until the launcher's level runs
         #: (the first forward of any module, whose line they then point at),
         #: and dropped if the script's own initialize replaces that level first
@@ -308,26 +316,30 @@ class Session:
 
         Example::
 
-            session = Session(Settings.resolve(opt_level="O1"))
-            session.start()
+            launch = Launch(Settings.resolve(opt_level="O1"))
+            launch.start()
             try:
                 train()
             finally:
-                session.stop()
+                launch.stop()
         """
         from . import alias, frontend
 
-        if _state.current() is not None:
+        if session.current() is not None:
             raise ConfigError("amp_patch is already initialized in this process; the launcher starts it itself. Call amp_patch.deinitialize() first.")
-        self._alias = not alias.is_installed() and alias.install_apex_alias()
         level = self.settings.opt_level
         try:
+            if not alias.is_installed() and alias.install_apex_alias():
+                self.undo.push(alias.remove_apex_alias)
+            # whichever session runs at the end (the launcher's or the script's) ends before the alias goes
+            self.undo.push(_end_session)
             if level in FUNCTION_LEVELS:
                 self._holding(frontend.initialize, None, None, level, **self.settings.initialize_kwargs())
-                self._mark(_state.current())
+                self._mark(session.current())
             if level in FUNCTION_LEVELS or level in MODEL_LEVELS:
-                self._hook = OptimizerHook(self._on_optimizer)
-                self._hook.install()
+                hook = OptimizerHook(self._on_optimizer)
+                hook.install()
+                self.undo.push(hook.uninstall)
         except BaseException:
             self.stop()
             raise
@@ -335,22 +347,8 @@ class Session:
 
     def stop(self) -> None:
         """Undo ``start()``: no hook, no alias, amp_patch deinitialized."""
-        from . import alias, frontend
-
         self._release_held()
-        if self._forward_hook is not None:
-            self._forward_hook.remove()
-            self._forward_hook = None
-        try:
-            if self._hook is not None:
-                self._hook.uninstall()
-                self._hook = None
-            if _state.current() is not None:
-                frontend.deinitialize()
-        finally:
-            if self._alias:
-                alias.remove_apex_alias()
-                self._alias = False
+        self.undo.pop_to(0)
 
     def _mark(self, amp: Any) -> None:
         self.amp = amp
@@ -358,8 +356,8 @@ class Session:
         amp.provisional = {k: kwargs.get(k) for k in ("half_dtype", "lists", "cast_model_outputs")}
 
     def _ours(self) -> bool:
-        """True while the running AMP state is the one this session started."""
-        current = _state.current()
+        """True while the running AMP state is the one this launch started."""
+        current = session.current()
         if self.stepped_aside or (self.amp is not None and current is not self.amp) or (self.amp is None and current is not None):
             # The script initialized (or deinitialized) itself: its word wins,
             # and warnings about the launcher's level, which never ran, go.
@@ -377,18 +375,23 @@ class Session:
         self._held += [(str(w.message), w.category) for w in caught]
         if self._held and self._forward_hook is None:
             self._forward_hook = register_module_forward_pre_hook(self._first_forward)
+            self.undo.push(self._drop_forward_hook)
         return out
 
+    def _drop_forward_hook(self) -> None:
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+
     def _first_forward(self, module: torch.nn.Module, args: Any) -> None:
-        self._forward_hook.remove()
-        self._forward_hook = None
+        self._drop_forward_hook()
         if self._ours():
             self._release_held()
 
     def _release_held(self) -> None:
         """Give the held set-up warnings, pointing at the script's line that runs now."""
         held, self._held = self._held, []
-        if held and not self.stepped_aside and self.amp is not None and _state.current() is self.amp:
+        if held and not self.stepped_aside and self.amp is not None and session.current() is self.amp:
             for message, category in held:
                 diagnostics.warn_user(message, category)
 
@@ -399,7 +402,7 @@ class Session:
             from . import model as model_side, scaling
 
             scaling.adopt_optimizer(optimizer)
-            amp = _state.current()
+            amp = session.current()
             if amp.props.cast_model_outputs is not None:
                 try:
                     model = owning_model(optimizer)
@@ -426,7 +429,7 @@ class Session:
             if self.amp is not None:
                 self.amp.provisional = saved
         if self.amp is None:
-            self._mark(_state.current())
+            self._mark(session.current())
         log.info("amp_patch: launcher attached %s to %s at %s", type(optimizer).__name__, type(model).__name__, self.settings.opt_level)
 
 
@@ -476,9 +479,9 @@ def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Opt
     """
     settings = settings if settings is not None else Settings.resolve()
     path = check_script(script)
-    session = Session(settings)
+    launch = Launch(settings)
     saved_argv, saved_path = sys.argv, list(sys.path)
-    session.start()
+    launch.start()
     try:
         sys.argv = [os.fspath(script), *args]
         sys.path[0:1] = [os.path.dirname(path) if os.path.isfile(path) else path]
@@ -486,12 +489,12 @@ def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Opt
     except BaseException:
         _restore(saved_argv, saved_path)
         try:
-            session.stop()
+            launch.stop()
         except Exception:  # the script's own error is the one to report
             log.exception("amp_patch: cleaning up after the script failed")
         raise
     _restore(saved_argv, saved_path)
-    session.stop()
+    launch.stop()
     return result
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _state, compat, copies, fused, inflight, master
+from . import session, compat, copies, fused, inflight, master
 from ._cast import CASTABLE, LOW, cast, needs_cast
 from .errors import ConfigError, StateError
 from .options import Options
@@ -86,7 +86,7 @@ class SaveFP32:
         self.save_dtype = save_dtype
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-        amp = _state.current()
+        amp = session.current()
         to = self.save_dtype
         for name, p in module._parameters.items():
             key = prefix + name
@@ -125,7 +125,7 @@ class SyncWritten:
     ``state_dict()`` view since the last step reach the half model first."""
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        amp = _state.current()
+        amp = session.current()
         if amp is None:
             return
         for h in amp.optimizer_handles.values():
@@ -145,7 +145,7 @@ class LoadIntoMasters:
     """
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *rest: Any) -> None:
-        amp = _state.current()
+        amp = session.current()
         if amp is None:
             return
         pairs = []
@@ -349,7 +349,7 @@ def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep
     dtypes.update({(id(mod), name): d for mod, name, d in rec.buffers})
     rec.copyable = True
     copies.install(model, copies.Plan(_exact_value, dtypes, _HOOK_TYPES,
-                                      lambda mod, name, b: _exact_buffer(_state.current(), mod, name, b)))
+                                      lambda mod, name, b: _exact_buffer(session.current(), mod, name, b)))
     if rec.params:
         copies.install_save_pretrained(model, rec.params[0][1])
 
@@ -358,11 +358,11 @@ def _exact_value(param: Tensor) -> Optional[Tensor]:
     """The exact value from before the cast of a converted parameter: its
     master's where an optimizer holds one, else the value kept at conversion
     while the half parameter has not changed since."""
-    amp = _state.current()
+    amp = session.current()
     m = master.lookup(amp, param)
     if m is not None or amp is None:
         return m
-    for rec in amp.model_handles:
+    for rec in amp.model_records:
         e = rec.exact.get(id(param))
         if e is not None and e.half is param:
             return e.value()
@@ -373,7 +373,7 @@ def _exact_buffer(amp: Any, module: nn.Module, name: str, buf: Tensor) -> Option
     """A converted buffer's value from before the cast, while the half one has not changed since."""
     if amp is None:
         return None
-    for rec in amp.model_handles:
+    for rec in amp.model_records:
         e = rec.exact.get((id(module), name))
         if e is not None and e.half is buf:
             return e.value()
@@ -423,12 +423,12 @@ def cast_outputs(amp: Any, model: nn.Module) -> None:
     """At O1/O4 (the model keeps its dtypes): cast ``model``'s floating outputs
     to ``cast_model_outputs`` (Apex's option), undone with the run. A model
     whose outputs are cast already is left as it is."""
-    if any(rec.model is model for rec in amp.model_handles):
+    if any(rec.model is model for rec in amp.model_records):
         return
     rec = _Converted(model)
     rec.handles.append(model.register_forward_hook(CastOutputs(amp.props.cast_model_outputs)))
-    amp.model_handles.append(rec)
-    amp.undo_callbacks.append(_Unconvert(rec))
+    amp.model_records.append(rec)
+    amp.undo.push(_Unconvert(rec))
 
 
 class _Unconvert:
@@ -486,7 +486,7 @@ class _StrayStepGuard:
         return self.seen[1]
 
     def check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self.amp.optimizer_handles or _state.current() is not self.amp:
+        if id(optimizer) in self.amp.optimizer_handles or session.current() is not self.amp:
             return
         halves = self._halves()
         if any(id(p) in halves for g in optimizer.param_groups for p in g["params"]):
@@ -517,7 +517,7 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
     """Convert ``models`` and put FP32 masters into ``optimizers``, with this
     call's ``options`` (``keep_fp32``, ``save_dtype``, ``fused_update``).
 
-    Undo work is appended to ``amp.undo_callbacks`` as it is done, so a failure
+    Each change pushes its undo onto ``amp.undo`` as it is made, so a failure
     half way, or ``deinitialize``, restores the models and optimizers.
     """
     from . import scaling
@@ -533,25 +533,25 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
         for m in models:
             rec = _Converted(m)
             # registered before the first change, so a failure half way is undone too
-            amp.model_handles.append(rec)
-            amp.undo_callbacks.append(_Unconvert(rec))
+            amp.model_records.append(rec)
+            amp.undo.push(_Unconvert(rec))
             _convert(rec, dtype, out_dtype, keep_bn, keep, save_dtype, originals)
     elif props.master_weights:
         save_dtype = options.save_dtype
         for m in models:
             rec = _hook_only(m, save_dtype)
-            amp.model_handles.append(rec)
-            amp.undo_callbacks.append(_Unconvert(rec))
+            amp.model_records.append(rec)
+            amp.undo.push(_Unconvert(rec))
     if dtype is None and props.cast_model_outputs is not None:
         for m in models:
             cast_outputs(amp, m)
-    if props.master_weights and models and not any(isinstance(cb, _StrayStepGuard) for cb in amp.undo_callbacks):
-        amp.undo_callbacks.append(_StrayStepGuard(amp))
+    if props.master_weights and models and not any(isinstance(cb, _StrayStepGuard) for cb in amp.undo):
+        amp.undo.push(_StrayStepGuard(amp))
     for opt in optimizers:
         handle = scaling.handle(amp, opt)
         if props.master_weights and handle.masters is None:
             mw = master.MasterWeights(opt)
-            amp.undo_callbacks.append(_Release(mw))
+            amp.undo.push(_Release(mw))
             handle.masters = mw
             for group in opt.param_groups:
                 mw.adopt(group, originals)

@@ -40,7 +40,7 @@ _BF16_LEVELS = ("O4", "O5")
 
 OVERRIDES = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights", "loss_scale", "cast_model_outputs")
 #: options ``initialize`` accepts besides the Apex property overrides; the
-#: modules that own them read them from ``AmpState.options``.
+#: modules that own them read them from ``Session.options``.
 EXTRA_OPTIONS = (
     "num_losses", "min_loss_scale", "max_loss_scale", "init_scale", "growth_factor", "backoff_factor",
     "growth_interval", "hysteresis", "max_consecutive_skips", "keep_fp32", "save_dtype",

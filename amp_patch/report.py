@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _state
+from . import session
 from .errors import StateError
 from .stats import dtype_name
 
@@ -21,7 +21,7 @@ History = List[Tuple[int, float, bool]]
 
 
 def _current(what: str) -> Any:
-    amp = _state.current()
+    amp = session.current()
     if amp is None:
         raise StateError(
             f"amp_patch.{what}() needs a running AMP: call it after amp_patch.initialize(...) "

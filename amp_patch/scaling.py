@@ -30,12 +30,11 @@ import dataclasses
 import logging
 import time
 import types
-import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _state, diagnostics, leaves, master
+from . import session, diagnostics, leaves, master
 from .errors import ConfigError, OverflowLoopError, StateError
 from .options import Options
 from .scaler import LossScaler
@@ -176,15 +175,23 @@ class _Unscale:
             torch._amp_foreach_non_finite_check_and_unscale_(ts, run.found_flag(l, dev), run.inv_scale(l, dev, self.scale))
 
 
-_runs: "weakref.WeakKeyDictionary[Any, Run]" = weakref.WeakKeyDictionary()
-
-
 def _run(amp: Any) -> Run:
-    run = _runs.get(amp)
+    """The session's loss-scaling state, made on first use."""
+    run = amp.run
     if run is None:
-        run = _runs[amp] = Run(amp)
+        run = amp.run = Run(amp)
         amp.scalers[:] = run.scalers
     return run
+
+
+class _DropHandle:
+    """Undo of ``handle``: the optimizer's record out of the session."""
+
+    def __init__(self, amp: Any, optimizer: torch.optim.Optimizer):
+        self.amp, self.key = amp, id(optimizer)
+
+    def __call__(self) -> None:
+        self.amp.optimizer_handles.pop(self.key, None)
 
 
 def handle(amp: Any, optimizer: torch.optim.Optimizer) -> Handle:
@@ -192,6 +199,7 @@ def handle(amp: Any, optimizer: torch.optim.Optimizer) -> Handle:
     h = amp.optimizer_handles.get(id(optimizer))
     if h is None or h.optimizer is not optimizer:
         h = amp.optimizer_handles[id(optimizer)] = Handle(optimizer, _run(amp))
+        amp.undo.push(_DropHandle(amp, optimizer))
     return h
 
 
@@ -347,7 +355,7 @@ def settle(amp: Any) -> None:
     gradient is not stepped) and one warning says so: the step then changes
     nothing, as amp_patch's skipped step would have.
     """
-    run = _runs.get(amp)
+    run = amp.run
     if run is None:
         return
     try:
@@ -381,7 +389,7 @@ def _on_overflow(run: Run, loss_id: int, scaler: LossScaler, before: float) -> N
 
 
 def _lookup(optimizer: Any) -> Optional[Handle]:
-    amp = _state.current()
+    amp = session.current()
     if amp is None:
         return None
     h = amp.optimizer_handles.get(id(optimizer))
@@ -541,7 +549,7 @@ def _patch(h: Handle) -> None:
     h.patched = True
 
 
-class _Unpatch:
+class _RestoreMethods:
     """Undo callback for one optimizer: pending gradients unscaled, methods restored."""
 
     def __init__(self, amp: Any, h: Handle):
@@ -563,7 +571,6 @@ class _Unpatch:
             h.patched = False
             if h in h.run.handles:
                 h.run.handles.remove(h)
-            self.amp.optimizer_handles.pop(id(opt), None)
 
 
 # ------------------------------------------------------------------ clip functions
@@ -579,8 +586,8 @@ def _clip_targets() -> List[Tuple[Any, str]]:
 
 def _make_clip_patch(amp: Any):
     def clip(wrapped, instance, args, kwargs):
-        run = _runs.get(amp)
-        if run is None or _state.current() is not amp:
+        run = amp.run
+        if run is None or session.current() is not amp:
             return wrapped(*args, **kwargs)
         transfer_all(run)
         if args:
@@ -606,22 +613,20 @@ def _to_masters(amp: Any, parameters: Any) -> Any:
 # ------------------------------------------------------------------ seams called by frontend
 
 
-def attach(amp: Any, optimizers: Sequence[torch.optim.Optimizer], fresh: bool) -> None:
+def attach(amp: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Give each loss a scaler (first call) and attach ``optimizers``.
 
     Patches each optimizer's ``step``, ``zero_grad`` (and ``add_param_group``
     when it has masters) as instance attributes; the undo restores them.
     """
     run = _run(amp)
-    if fresh:
-        amp.undo_callbacks.append(_Forget(amp))
     for opt in optimizers:
         h = handle(amp, opt)
         if h.patched:
             continue
         _patch(h)
         run.handles.append(h)
-        amp.undo_callbacks.append(_Unpatch(amp, h))
+        amp.undo.push(_RestoreMethods(amp, h))
     ensure_patches(amp)
 
 
@@ -642,15 +647,7 @@ def ensure_patches(amp: Any) -> None:
         items.append((torch.Tensor, "backward", make_backward_patch(amp)))
     if any(s.active for s in run.scalers) or amp.props.master_weights:
         items += [(owner, name, _make_clip_patch(amp)) for owner, name in _clip_targets()]
-    amp.patcher.apply(items)  # skips what is patched already
-
-
-class _Forget:
-    def __init__(self, amp: Any):
-        self.amp = amp
-
-    def __call__(self) -> None:
-        _runs.pop(self.amp, None)
+    amp.patch(items)  # skips what is patched already
 
 
 def guard_foreign(run: Run, loss: Tensor, handles: Sequence[Handle], loss_id: int, scale: float) -> Tuple[bool, List[Any]]:
@@ -738,7 +735,7 @@ def make_backward_patch(amp: Any):
 
 
 def _current(what: str) -> Any:
-    amp = _state.current()
+    amp = session.current()
     if amp is None:
         raise StateError(f"amp_patch.{what} needs amp_patch.initialize(model, optimizer, opt_level=...) first")
     return amp
@@ -920,17 +917,14 @@ def adopt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         # the first initialize's fused_update applies to an adopted optimizer; no models come with it
         options = dataclasses.replace(amp.options, keep_fp32=None)
         model_side.validate([], [optimizer], amp.props, options, amp)
-        n = len(amp.undo_callbacks)
+        mark = amp.undo.mark()
         try:
             model_side.attach(amp, [], [optimizer], options)
-            attach(amp, [optimizer], fresh=False)
+            attach(amp, [optimizer])
+            amp.extend(amp.optimizers, [optimizer])
         except BaseException:
-            for cb in reversed(amp.undo_callbacks[n:]):
-                cb()
-            del amp.undo_callbacks[n:]
-            amp.optimizer_handles.pop(id(optimizer), None)
+            amp.undo.pop_to(mark)
             raise
-        amp.optimizers.append(optimizer)
         return optimizer
 
 

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import _modes, _state
+from . import _modes, session
 from ._cast import needs_cast
 from .wrappers import is_inplace, switch
 
@@ -125,7 +125,7 @@ class Ledger:
                 self._names = _modes.OpNames(amp)
         if first:
             _modes.add(self._observe)
-            amp.undo_callbacks.append(self.stop)
+            amp.undo.push(self.stop)
         else:
             _modes.ensure_here()
         self._here.watching = True
@@ -133,7 +133,7 @@ class Ledger:
     def _watch_here(self) -> None:
         # The mode stack is per thread, and the wrappers only exist (and call
         # this) once the AMP state is current.
-        amp = _state.current()
+        amp = session.current()
         if amp is not None:
             self.start(amp)
 

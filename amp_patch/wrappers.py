@@ -600,9 +600,9 @@ class _DecoratorPolicy:
 
         @wrapt.decorator
         def wrapper(wrapped, instance, args, kwargs):
-            from . import _state
+            from . import session
 
-            amp = _state.current()
+            amp = session.current()
             if amp is None or not amp.props.patch_torch_functions or switch.off:
                 return wrapped(*args, **kwargs)
             to = make_planner(policy, amp.props.half_dtype)(args, kwargs)

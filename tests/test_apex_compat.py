@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import ConfigError, _state, alias, amp
+from amp_patch import ConfigError, session, alias, amp
 
 # apex.amp's public surface (apex/amp/__init__.py) and its signatures.
 APEX_NAMES = (
@@ -67,9 +67,13 @@ def test_every_apex_amp_name_is_there():
     assert not missing
 
 
+#: amp_patch's own keyword-only additions, after Apex's parameters
+EXTENSIONS = {"initialize": ", *, half_dtype=None"}
+
+
 @pytest.mark.parametrize("name", sorted(APEX_SIGNATURES))
 def test_signatures_are_apexs(name):
-    assert unannotated(getattr(amp, name)) == APEX_SIGNATURES[name]
+    assert unannotated(getattr(amp, name)) == APEX_SIGNATURES[name][:-1] + EXTENSIONS.get(name, "") + ")"
 
 
 def test_registration_and_casting_helpers_are_amp_patchs_own():
@@ -122,7 +126,7 @@ def test_apex_property_overrides_reach_amp_patch(net):
     try:
         out = amp.initialize(model, opt, opt_level="o1", loss_scale="128.0", patch_torch_functions="True", verbosity=0)
         assert out == (model, opt)
-        props = _state.current().props
+        props = session.current().props
         assert props.opt_level == "O1" and props.loss_scale == 128.0 and props.patch_torch_functions
     finally:
         amp_patch.deinitialize()

@@ -176,9 +176,9 @@ def test_scale_loss_with_an_optimizer_initialize_never_saw():
 
 
 def _first_optimizer():
-    from amp_patch import _state
+    from amp_patch import session
 
-    return _state.current().optimizers[0]
+    return session.current().optimizers[0]
 
 
 def test_deinitialize_inside_scale_loss_is_refused_then_works_after_the_block():

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import _modes, _state, diagnostics
+from amp_patch import _modes, session, diagnostics
 from amp_patch.diagnostics import AmpWarning
 from amp_patch.errors import StateError
 from amp_patch.properties import resolve
@@ -174,7 +174,7 @@ def test_functions_captured_before_initialize_are_named(tmp_path, monkeypatch):
 
     try:
         msgs, _ = _init_and_collect(nn.Linear(4, 4), opt_level="O1", half_dtype=bf16)
-        amp = _state.current()
+        amp = session.current()
         assert not amp.patcher.is_patched(F, "dropout")
         found = diagnostics.captured_functions(amp)
     finally:
@@ -245,7 +245,7 @@ def fp16_run(request):
     model = _one_layer(*request.param)
     amp_patch.initialize(model, opt_level="O1", half_dtype=f16, find_overflow=True, verbosity=0)
     scaler = _Scaler()
-    amp = _state.current()
+    amp = session.current()
     amp.scalers.append(scaler)
     try:
         yield model, amp, scaler
@@ -305,10 +305,10 @@ def _provenance_of_one_step(model, x, level):
     amp_patch.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, half_dtype=f16,
                          find_overflow=True, verbosity=0)
     scaler = _Scaler()
-    _state.current().scalers.append(scaler)
+    session.current().scalers.append(scaler)
     try:
         model(x).float().sum().backward()
-        return _skip(_state.current(), scaler)[0]
+        return _skip(session.current(), scaler)[0]
     finally:
         amp_patch.deinitialize()
 
@@ -409,7 +409,7 @@ def test_find_overflow_arms_one_step_then_disarms():
     model = _one_layer(3000.0)
     amp_patch.initialize(model, opt_level="O1", half_dtype=f16, verbosity=0)
     try:
-        amp = _state.current()
+        amp = session.current()
         scaler = _Scaler()
         amp.scalers.append(scaler)
         # Not armed: a skipped step is only logged.
@@ -441,7 +441,7 @@ def test_find_overflow_true_stays_armed_and_deinitialize_removes_it():
     model = _one_layer(3000.0)
     amp_patch.initialize(model, opt_level="O1", half_dtype=f16, find_overflow=True, verbosity=0)
     try:
-        amp = _state.current()
+        amp = session.current()
         scaler = _Scaler()
         amp.scalers.append(scaler)
         for step in range(2):
@@ -461,7 +461,7 @@ def test_find_overflow_works_at_o2_style_half_models_too():
     amp_patch.initialize(model, opt_level="O1", half_dtype=f16, patch_torch_functions=False,
                          find_overflow=True, verbosity=0)
     try:
-        amp = _state.current()
+        amp = session.current()
         scaler = _Scaler()
         amp.scalers.append(scaler)
         model(torch.full((2, 8), 10.0, dtype=f16))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import wrapt
 
 import amp_patch
-from amp_patch import _state, wrappers
+from amp_patch import session, wrappers
 from helpers import HAS_C_COMPILER, fast_path
 
 bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -144,7 +144,7 @@ def test_disable_casts_and_a_finished_session_call_straight_through(o4):
 def test_weights_are_cast_once_through_the_cache(o4):
     t = make()
     w = torch.nn.Parameter(t["y"])
-    cache = _state.current().cache
+    cache = session.current().cache
     hits, misses = cache.hits, cache.misses
     outs = [torch.mm(t["x"], w) for _ in range(3)]
     assert (cache.misses - misses, cache.hits - hits) == (1, 2)
@@ -163,7 +163,7 @@ def test_a_cached_weight_copy_is_served_only_while_it_is_valid(o4):
     in the other grad mode; every result equals the op on the weight cast now."""
     t = make()
     w = torch.nn.Parameter(t["y"].clone())
-    cache = _state.current().cache
+    cache = session.current().cache
 
     def check(expect_hit: bool) -> torch.Tensor:
         hits = cache.hits
@@ -252,7 +252,7 @@ def test_no_reference_is_leaked_per_call(o4):
              lambda: t["x"].mm(t["y"])]
     for call in calls:
         call()
-    cached = _state.current().cache._maps[True][id(w)][4]  # w's BF16 copy, returned by every cache hit
+    cached = session.current().cache._maps[True][id(w)][4]  # w's BF16 copy, returned by every cache hit
     watched = (t["x"], t["y"], t["xb"], t["yb"], w, cached, bf16, f32)
     before = [sys.getrefcount(o) for o in watched]
     for _ in range(1000):

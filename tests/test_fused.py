@@ -133,7 +133,7 @@ def test_adamw_trains_and_the_fp32_gradient_buffers_are_freed():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with amp(model, opt, "O5", fused_update=True) as (model, opt):
         losses = [train_step(model, opt, i % 2).item() for i in range(30)]
-        mw = amp_patch._state.current().optimizer_handles[id(opt)].masters
+        mw = amp_patch.session.current().optimizer_handles[id(opt)].masters
         assert all(g is None for g in mw.grads)
         assert all(m.grad is None for m in mw.masters)
         assert all(p.grad is None for p in mw.halfs)  # consumed by the step

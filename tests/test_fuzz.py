@@ -85,7 +85,7 @@ def overrides(draw):
 @given(case=overrides(), half=st.sampled_from([torch.float16, torch.bfloat16]))
 def test_random_op_list_overrides(case, half):
     doc, valid = case
-    from amp_patch import _state
+    from amp_patch import session
 
     if not valid:
         with pytest.raises(ListError):
@@ -94,7 +94,7 @@ def test_random_op_list_overrides(case, half):
         return
     amp_patch.initialize(None, None, "O1", half_dtype=half, lists=doc, verbosity=0)
     try:
-        amp = _state.current()
+        amp = session.current()
         for ns, body in doc.items():
             owner = NAMESPACES[ns]
             placed = {n: pol for pol, names in body.items() if pol != "remove" for n in names}
@@ -165,13 +165,13 @@ class Sessions(RuleBasedStateMachine):
             self.model, self.opt = amp_patch.initialize(self.model, self.opt, level, half_dtype=half, verbosity=0)
             self.level = level
             return
-        from amp_patch import _state
+        from amp_patch import session
 
-        amp = _state.current()
+        amp = session.current()
         n = len(amp.patcher)
         with pytest.raises(ConfigError, match="already (initialized|attached)"):
             amp_patch.initialize(self.model, self.opt, level, half_dtype=half, verbosity=0)
-        assert len(amp.patcher) == n and _state.current() is amp
+        assert len(amp.patcher) == n and session.current() is amp
 
     @rule()
     def deinitialize(self):
@@ -216,9 +216,9 @@ class Sessions(RuleBasedStateMachine):
 
     @invariant()
     def torch_is_patched_once_or_not_at_all(self):
-        from amp_patch import _state
+        from amp_patch import session
 
-        amp = _state.current()
+        amp = session.current()
         assert (amp is None) == (self.level is None)
         if amp is None:
             assert _unchanged() == []

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import ConfigError, ListError, _state, launcher, scaling
-from amp_patch.launcher import OptimizerHook, Session, Settings, owning_model
+from amp_patch import ConfigError, ListError, session, launcher, scaling
+from amp_patch.launcher import Launch, OptimizerHook, Settings, owning_model
 from helpers import destroy_process_group, write
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -270,7 +270,7 @@ def test_session_refuses_to_start_when_already_initialized():
     amp_patch.initialize(None, None, "O4", verbosity=0)
     try:
         with pytest.raises(ConfigError, match="already initialized"):
-            Session(Settings.resolve()).start()
+            Launch(Settings.resolve()).start()
     finally:
         amp_patch.deinitialize()
 
@@ -278,14 +278,14 @@ def test_session_refuses_to_start_when_already_initialized():
 TRAIN = """
     import torch, torch.nn as nn, torch.nn.functional as F
     import amp_patch
-    from amp_patch import _state
+    from amp_patch import session
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    launcher_state = _state.current()
+    launcher_state = session.current()
     launcher_patches = len(launcher_state.patcher) if launcher_state else 0
     {own}
-    state = _state.current()
+    state = session.current()
     patches = len(state.patcher) if state else 0
     out = model(torch.randn(3, 4))
     loss = F.cross_entropy(out.float(), torch.tensor([0, 1, 0]))
@@ -372,7 +372,7 @@ def test_import_auto_enables_amp_from_the_environment(monkeypatch, adopted):
     monkeypatch.delitem(sys.modules, "amp_patch.auto", raising=False)
     auto = importlib.import_module("amp_patch.auto")
     try:
-        state = _state.current()
+        state = session.current()
         assert state.props.opt_level == "O4" and state.props.half_dtype == torch.bfloat16
         assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.bfloat16
         opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)

@@ -362,9 +362,9 @@ def test_weight_cast_cache_hits_and_invalidates_on_inplace_edit():
     x = torch.randn(2, 4)
     amp_patch.initialize(lin, None, "O1", half_dtype="bfloat16")
     try:
-        from amp_patch import _state
+        from amp_patch import session
 
-        cache = _state.current().cache
+        cache = session.current().cache
         lin(x)
         lin(x)
         assert cache.hits >= 2 and len(cache) == 2  # weight and bias cast once
@@ -385,9 +385,9 @@ def test_cache_is_emptied_after_backward_and_does_not_grow():
     opt = torch.optim.SGD(lin.parameters(), lr=0.01)
     amp_patch.initialize(lin, opt, "O1", half_dtype="bfloat16")
     try:
-        from amp_patch import _state
+        from amp_patch import session
 
-        cache = _state.current().cache
+        cache = session.current().cache
         for _ in range(50):
             opt.zero_grad()
             lin(torch.randn(2, 4)).float().sum().backward()
@@ -407,9 +407,9 @@ def test_half_weight_copies_are_freed_as_the_backward_releases_them():
     lin = nn.Linear(4, 4)
     amp_patch.initialize(lin, None, "O1", half_dtype="bfloat16")
     try:
-        from amp_patch import _state
+        from amp_patch import session
 
-        cache = _state.current().cache
+        cache = session.current().cache
         out = lin(torch.randn(2, 4))
         copies = [weakref.ref(entry[4]) for entry in cache._maps[1].values()]
         assert len(copies) == 2  # weight and bias
@@ -442,9 +442,9 @@ def test_second_initialize_adds_models_without_stacking_wrappers():
         linear_once = F.linear
         amp_patch.initialize(b, None, "O1", half_dtype="float16")
         assert F.linear is linear_once
-        from amp_patch import _state
+        from amp_patch import session
 
-        assert _state.current().models == [a, b]
+        assert session.current().models == [a, b]
         with pytest.raises(ConfigError, match="already initialized with opt_level='O1'.*deinitialize"):
             amp_patch.initialize(nn.Linear(2, 2), None, "O4")
         with pytest.raises(ConfigError, match="already initialized"):

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import _modes, _state
+from amp_patch import _modes, session
 from amp_patch.errors import StateError
 
 B, D_IN, D_OUT = 4, 8, 4
@@ -195,7 +195,7 @@ def test_stats_off_costs_nothing():
     model = Net()
     amp_patch.initialize(model, opt_level="O1", verbosity=0)
     try:
-        assert _state.current().ledger is None
+        assert session.current().ledger is None
         model(torch.randn(B, D_IN))
         # no watching mode, no observer: the patched ops run as without stats
         assert torch._C._len_torch_function_stack() == 0
@@ -263,7 +263,7 @@ class _Scaler:
 
 
 def test_report_summarises_each_scalers_history(amp_run):
-    amp = _state.current()
+    amp = session.current()
     hist = [(0, 65536.0, True), (1, 32768.0, True), (2, 16384.0, False), (3, 16384.0, False)]
     amp.scalers.append(_Scaler(hist, loss_id=7))
     try:
@@ -278,7 +278,7 @@ def test_report_summarises_each_scalers_history(amp_run):
 
 
 def test_the_summary_range_includes_the_scale_after_the_last_step(amp_run):
-    amp = _state.current()
+    amp = session.current()
     scaler = _Scaler([(0, 65536.0, True)], loss_id=8)
     scaler.scale = 32768.0  # backed off by the skipped step
     amp.scalers.append(scaler)
@@ -292,7 +292,7 @@ def test_the_summary_range_includes_the_scale_after_the_last_step(amp_run):
 
 
 def test_history_is_read_defensively(amp_run):
-    amp = _state.current()
+    amp = session.current()
 
     class Entry:
         step, scale, skipped = 5, 8.0, True
@@ -310,7 +310,7 @@ def test_history_is_read_defensively(amp_run):
 
 def test_plot_writes_a_png(amp_run, tmp_path):
     pytest.importorskip("matplotlib")
-    amp = _state.current()
+    amp = session.current()
     amp.scalers.append(_Scaler([(i, 2.0 ** (16 - (i < 3) * i), i < 3) for i in range(10)]))
     try:
         out = amp_patch.plot(tmp_path / "scale.png")
@@ -325,7 +325,7 @@ def test_plot_writes_a_png(amp_run, tmp_path):
 
 def test_plot_without_history_says_when_to_call_it(amp_run, tmp_path):
     pytest.importorskip("matplotlib")
-    amp = _state.current()
+    amp = session.current()
     amp.scalers.append(_Scaler([]))
     try:
         with pytest.raises(StateError, match="no loss-scale history yet"):

@@ -514,17 +514,13 @@ def test_a_forward_that_starts_while_deinitialize_runs_waits_and_runs_unpatched(
 
     model = _gated()
     amp_patch.initialize(model, None, "O1", half_dtype=torch.bfloat16, verbosity=0)
-    flight = amp_patch._state.current().flight
+    flight = amp_patch.session.current().flight
     out = []
     with flight.hold("test"):
         trainer, errors = _in_thread(lambda: out.append(model(torch.randn(4, 8))))
         trainer.join(0.3)
         assert trainer.is_alive() and not out  # held at the model's forward pre-hook
-        # what deinitialize does inside its hold
-        from amp_patch import frontend
-
-        frontend._teardown(amp_patch._state.current())
-        flight.ended = True
+        amp_patch.session.current().end()  # what deinitialize does inside its hold
     trainer.join(TIMEOUT)
     assert not errors, errors
     assert out[0].dtype == torch.float32

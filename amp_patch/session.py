@@ -1,0 +1,142 @@
+"""The running session: one object while initialized, ``None`` otherwise.
+
+A ``Session`` owns everything one ``initialize`` (and any later ones that join
+it) changed, and one undo stack that every change pushes onto as it is made:
+function patches, model conversions, optimizer method patches, the forward
+tracking hooks, the op ledger, the overflow watch. ``deinitialize`` unwinds the
+stack, newest first; a failing ``initialize`` pops it back to the mark it took
+when it started, so the first call and every later one leave nothing behind.
+
+Every installable piece follows the same protocol: a function that makes its
+change and pushes the callable that undoes it (``session.undo.push(undo)``), in
+the same step, before anything else can fail.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+from ._cast import CastCache
+from ._patch import Patcher
+from .inflight import InFlight
+from .options import Options
+from .properties import Properties
+from .wrappers import Live
+
+Undo = Callable[[], None]
+
+
+class UndoStack:
+    """The changes of one session, oldest first, each as the callable that undoes it."""
+
+    def __init__(self) -> None:
+        self._entries: List[Undo] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self):
+        return iter(list(self._entries))
+
+    def push(self, undo: Undo) -> None:
+        """Record a change just made, as the callable that undoes it."""
+        self._entries.append(undo)
+
+    def mark(self) -> int:
+        """Where the stack stands now, for ``pop_to``."""
+        return len(self._entries)
+
+    def pop_to(self, mark: int) -> None:
+        """Undo every change made since ``mark``, newest first.
+
+        Goes on past a failing undo (a partial undo is the worst outcome) and
+        raises the first error at the end.
+        """
+        errors = []
+        while len(self._entries) > mark:
+            undo = self._entries.pop()
+            try:
+                undo()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+class _Trim:
+    """Undo of ``Session.extend``: the list back to its old length."""
+
+    def __init__(self, items: List[Any], n: int):
+        self.items, self.n = items, n
+
+    def __call__(self) -> None:
+        del self.items[self.n:]
+
+
+class _Unpatch:
+    """Undo of ``Session.patch``: that batch of attribute patches off."""
+
+    def __init__(self, patcher: Patcher, n: int):
+        self.patcher, self.n = patcher, n
+
+    def __call__(self) -> None:
+        self.patcher.undo(self.n)
+
+
+class Session:
+    """What ``initialize`` set up, until ``deinitialize``."""
+
+    def __init__(self, props: Properties, table: Optional[dict], device_type: str, options: Options):
+        self.props = props
+        self.options = options  # amp_patch's own keywords, as the first initialize gave them
+        self.table = table  # {(namespace, name): Entry} in force, or None at O0/O2/O3/O5
+        self.device_type = device_type
+        self.undo = UndoStack()
+        self.patcher = Patcher()  # the registry of patched attributes (undone through ``undo``)
+        self.cache = CastCache()
+        self.live = Live()  # turned off at the end: stray wrappers then call straight through
+        self.flight = InFlight()  # forwards, backwards and steps in flight, per thread
+        self.models: List[Any] = []
+        self.optimizers: List[Any] = []
+        self.model_records: List[Any] = []  # one conversion record per converted or hooked model
+        self.optimizer_handles: Dict[int, Any] = {}  # id(optimizer) -> scaling.Handle
+        self.run: Any = None  # scaling.Run: the loss scalers and this step's flags
+        self.scalers: List[Any] = []  # one LossScaler per loss id (the run's)
+        self.ledger: Any = None  # stats.Ledger when collect_stats=True
+        #: set by the launcher (or amp_patch.auto) on the session it started: a
+        #: script's own initialize replaces it, keeping these settings
+        self.provisional: Optional[Dict[str, Any]] = None
+
+    def patch(self, items: list) -> None:
+        """Patch each ``(owner, name, make_wrapper)`` not patched yet, all or nothing, and push the undo."""
+        n = self.patcher.apply(items)
+        if n:
+            self.undo.push(_Unpatch(self.patcher, n))
+
+    def extend(self, items: List[Any], new: List[Any]) -> None:
+        """Append ``new`` to one of the session's lists, and push the undo."""
+        self.undo.push(_Trim(items, len(items)))
+        items.extend(new)
+
+    def end(self) -> None:
+        """Undo everything, newest first; the session is over even if an undo failed."""
+        try:
+            self.undo.pop_to(0)
+        finally:
+            self.live.on = False
+            self.cache.clear()
+            self.flight.ended = True
+            if _current is self:
+                set_current(None)
+
+
+_current: Optional[Session] = None
+
+
+def current() -> Optional[Session]:
+    """The running session, or None."""
+    return _current
+
+
+def set_current(state: Optional[Session]) -> None:
+    global _current
+    _current = state
