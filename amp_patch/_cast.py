@@ -13,6 +13,8 @@ the version and the next use casts again.
 """
 from __future__ import annotations
 
+__amp_patch_frame__ = "machinery"  # frames.py: the op call itself, never its caller
+
 import copy
 from typing import Any
 

@@ -19,7 +19,8 @@ could patch it (``torch.nn.functional.linear``).
 """
 from __future__ import annotations
 
-import os
+__amp_patch_frame__ = "machinery"  # frames.py: the op call itself, never its caller
+
 import sys
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -28,7 +29,7 @@ import torch
 import wrapt
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
-from . import wrappers
+from . import frames, wrappers
 from .oplists import NAMESPACES, OPERATOR_FORMS
 
 Observer = Callable[[Any, tuple, dict, Any], None]
@@ -122,33 +123,20 @@ def _take_off(mode: TorchFunctionMode) -> None:
 
 # ------------------------------------------------------------------ callers
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, wrapt))
-#: amp_patch's op machinery: frames of the op call itself, never its caller
-_MACHINERY = frozenset(_PKG_DIR + f for f in ("wrappers.py", "_cast.py", "_modes.py"))
-#: code in the package that runs as a user would (a training loop)
-_USER_LIKE = frozenset(_PKG_DIR + f for f in ("demo.py",))
-
-
 def caller(depth: int = 1) -> Optional[Any]:
     """The frame that made the torch call being handled: the innermost one
     outside torch, wrapt and amp_patch's op machinery (``depth`` frames up
     from the function asking)."""
     f: Optional[Any] = sys._getframe(depth + 1)
     while f is not None:
-        fn = f.f_code.co_filename
-        if not (fn.startswith(_LIBRARY_DIRS) or fn in _MACHINERY or fn.startswith("<frozen")):
+        if not (frames.is_library(f) or frames.is_machinery(f)):
             return f
         f = f.f_back
     return None
 
 
-def is_internal(frame: Optional[Any]) -> bool:
-    """True when amp_patch itself (the loss scaler, model conversion) made the call."""
-    if frame is None:
-        return False
-    fn = frame.f_code.co_filename
-    return fn.startswith(_PKG_DIR) and fn not in _USER_LIKE
+#: True when amp_patch itself (the loss scaler, model conversion) made the call
+is_internal = frames.is_internal
 
 
 def site(frame: Optional[Any]) -> str:

@@ -12,6 +12,8 @@ runs the tutorial's own sizes (4096 wide, batch 512, 50 batches, 5 epochs).
 """
 from __future__ import annotations
 
+__amp_patch_frame__ = "user"  # frames.py: its training loop runs as a user's would
+
 import argparse
 import dataclasses
 import gc

@@ -35,12 +35,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _modes, session
+from . import _modes, frames, session
 from ._cast import LOW
 from .errors import StateError
 from .oplists import NAMESPACES, OPERATOR_FORMS
 from .stats import dtype_name
-from .wrappers import _tensors as wrappers_tensors, wrapt_has_c_extension
+from .wrappers import _GLOBALS as wrappers_globals, _tensors as wrappers_tensors, wrapt_has_c_extension
 
 log = logging.getLogger("amp_patch")
 
@@ -50,10 +50,6 @@ class AmpWarning(UserWarning):
 
 
 _warned: set = set()
-_PKG_DIR = _modes._PKG_DIR
-
-
-_SKIP_FRAMES = (_PKG_DIR,) + _modes._LIBRARY_DIRS + ("<frozen",)
 
 
 def _stacklevel() -> int:
@@ -61,11 +57,7 @@ def _stacklevel() -> int:
     frame outside amp_patch, torch, wrapt and Python's frozen modules (the
     launcher's ``runpy``), so a warning raised from a patched call, an
     optimizer hook or the launcher names the script's own line."""
-    level, f = 1, sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_SKIP_FRAMES):
-        f = f.f_back
-        level += 1
-    return level
+    return 1 + frames.first_outside_ours(sys._getframe(1))[1]
 
 
 def _warn_once(message: str) -> None:
@@ -219,7 +211,7 @@ def pure_half_warnings(props: Any, optimizers: Sequence[Any]) -> List[str]:
 def _library_dirs() -> Tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return tuple(os.path.abspath(d) + os.sep for d in dirs if d) + _modes._LIBRARY_DIRS + (_PKG_DIR,)
+    return tuple(os.path.abspath(d) + os.sep for d in dirs if d)
 
 
 # {(module name, file): is it user code?}. Thousands of modules are loaded in
@@ -229,7 +221,8 @@ _user_module_cache: dict = {}
 
 def _is_user_module(mod: Any, library: Tuple[str, ...]) -> bool:
     path = getattr(mod, "__file__", None)
-    if not isinstance(path, str):
+    name = getattr(mod, "__name__", None) or ""
+    if not isinstance(path, str) or name.partition(".")[0] in (frames.PACKAGE, "torch", "wrapt"):
         return False
     key = (getattr(mod, "__name__", None), path)
     known = _user_module_cache.get(key)
@@ -350,7 +343,6 @@ def _first_non_finite(obj: Any) -> Optional[torch.Tensor]:
 #: how _cast converts a tensor (``to``, or the dtype methods it calls through
 #: ``_cast.CONVERT``): an overflow there is the cast's, not the op's
 _CAST_OPS = frozenset(("torch.Tensor", n) for n in ("to", "half", "bfloat16", "float"))
-_WRAPPERS_FILE = _PKG_DIR + "wrappers.py"
 
 
 def _running_wrapper_op(names: _modes.OpNames) -> Optional[str]:
@@ -361,7 +353,7 @@ def _running_wrapper_op(names: _modes.OpNames) -> Optional[str]:
     """
     f = sys._getframe(1)
     while f is not None:
-        if f.f_code.co_filename == _WRAPPERS_FILE and "wrapped" in f.f_code.co_varnames:
+        if f.f_globals is wrappers_globals and "wrapped" in f.f_code.co_varnames:
             wrapped = f.f_locals.get("wrapped")
             found = names.names(wrapped)
             return _modes.qualname(found[0]) if found else getattr(wrapped, "__qualname__", None)

@@ -36,6 +36,8 @@ cast only for the kernels the policy is about.
 """
 from __future__ import annotations
 
+__amp_patch_frame__ = "machinery"  # frames.py: the op call itself, never its caller
+
 import logging
 import os
 import sys
@@ -46,6 +48,7 @@ from typing import Any, Callable, Optional
 import torch
 import wrapt
 
+from . import frames
 from ._cast import CASTABLE, CONVERT, LOW, CastCache, cast, cast_args, needs_cast
 from .errors import BannedOpError, CastError
 
@@ -520,8 +523,6 @@ def _inplace(policy, qualname, live, ledger=None):
     return wrapper
 
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_PASS_THROUGH = (os.path.dirname(os.path.abspath(wrapt.__file__)) + os.sep, os.path.abspath(__file__))
 
 
 def _called_from_torch() -> bool:
@@ -533,9 +534,9 @@ def _called_from_torch() -> bool:
     in-place ops. Only reached on the path that would raise.
     """
     f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_PASS_THROUGH):
+    while f is not None and (f.f_globals is _GLOBALS or frames.module_name(f).startswith("wrapt")):
         f = f.f_back
-    return f is not None and f.f_code.co_filename.startswith(_TORCH_DIR)
+    return f is not None and frames.is_torch(f)
 
 
 def _banned(qualname, half, fix, live):
@@ -639,3 +640,6 @@ if fast is None:
     logging.getLogger("amp_patch").debug(
         "amp_patch: patched ops run the pure-Python wrappers (about 1 µs more per call): %s", FAST_UNAVAILABLE
     )
+
+
+_GLOBALS = globals()  # identifies this module's frames (the wrappers) on a stack
