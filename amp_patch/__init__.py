@@ -19,7 +19,7 @@ from .errors import (
     OverflowLoopError,
     StateError,
 )
-from .alias import install_apex_alias
+from .frontends.alias import install_apex_alias
 from .frontend import (
     deinitialize,
     disable_casts,
@@ -42,7 +42,7 @@ from .scaling import (
     state_dict,
     unscale_,
 )
-from .report import plot, report, reset_stats
+from .diagnostics.report import plot, report, reset_stats
 
 __version__ = "0.1.0"
 

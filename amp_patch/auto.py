@@ -20,7 +20,7 @@ Example::
 """
 from __future__ import annotations
 
-from .launcher import Launch, Settings
+from .frontends.launcher import Launch, Settings
 
 #: the running session; ``session.stop()`` undoes what the import did
 session = Launch(Settings.resolve())

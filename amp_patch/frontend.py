@@ -24,7 +24,7 @@ from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
 from .options import Options
 from .properties import EXTRA_OPTIONS, Properties, resolve
-from .wrappers import _DecoratorPolicy, make_wrapper, pop_disabled, push_disabled
+from .patching.wrappers import _DecoratorPolicy, make_wrapper, pop_disabled, push_disabled
 
 log = logging.getLogger("amp_patch")
 _lock = threading.RLock()
@@ -163,7 +163,7 @@ def initialize(
             options in ``EXTRA_OPTIONS`` (loss scaler settings, ``keep_fp32``,
             ``collect_stats``, ``find_overflow``, ``fused_update`` (O2/O5:
             the optimizer step as one compiled pass per param group instead
-            of three; see ``amp_patch.fused``), ...).
+            of three; see ``amp_patch.scaling.fused``), ...).
 
     Returns:
         ``(models, optimizers)`` in the structure they were given, or just the
@@ -193,7 +193,7 @@ def initialize(
 
 
 def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides):
-    from . import model as model_side
+    from .precision import model as model_side
     from . import scaling
 
     model_list, models_were_list = _as_list(models, torch.nn.Module, "models")
@@ -259,7 +259,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
             prov.end()
         amp = Session(props, table, device_type, options)
         if options.collect_stats:
-            from .stats import Ledger
+            from .diagnostics.stats import Ledger
 
             amp.ledger = Ledger()
 

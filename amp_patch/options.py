@@ -23,7 +23,6 @@ import torch
 
 from .errors import ConfigError
 from .properties import parse_dtype
-from .scaler import LossScaler
 
 #: the default of ``max_consecutive_skips``: that many skipped steps in a row at
 #: the minimum loss scale raise ``OverflowLoopError``
@@ -42,7 +41,8 @@ class Options:
     """amp_patch's keywords to ``initialize`` (see its docstring for each)."""
 
     num_losses: int = 1
-    init_scale: Optional[float] = None  # None: ``scaler.DEFAULTS``
+    # the loss scaler checks its own settings (``scaling.validate_options``); None: its default
+    init_scale: Optional[float] = None
     growth_factor: Optional[float] = None
     backoff_factor: Optional[float] = None
     growth_interval: Optional[int] = None
@@ -70,10 +70,6 @@ class Options:
         v = self.verbosity
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"initialize: verbosity={v!r} must be an integer >= 0 (0 silences amp_patch's messages, 1 is the default)")
-        try:  # the scaler checks its own settings; the static/dynamic choice is the opt level's
-            LossScaler("dynamic", **self.scaler_kwargs())
-        except ValueError as e:
-            raise ConfigError(f"initialize: {e}") from None
         object.__setattr__(self, "save_dtype", parse_dtype(self.save_dtype, "save_dtype", (torch.float16, torch.bfloat16, torch.float32)))
         object.__setattr__(self, "keep_fp32", _keep_fp32(self.keep_fp32))
 

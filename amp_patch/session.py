@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from ._cast import CastCache
-from ._patch import Patcher
+from .patching.cast import CastCache
+from .patching.registry import Patcher
 from .inflight import InFlight
 from .options import Options
 from .properties import Properties
-from .wrappers import Live
+from .patching.wrappers import Live
 
 Undo = Callable[[], None]
 

@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import amp_patch  # noqa: E402
-from amp_patch import leaves, scaling  # noqa: E402
+from amp_patch import scaling  # noqa: E402
+from amp_patch.scaling import leaves
 from workloads import build  # noqa: E402
 
 

@@ -5,7 +5,7 @@ in training), torch.mm, F.mse_loss (a Python function, FP32 policy) and
 Tensor.__add__ on 8x8 tensors it measures:
   * the unpatched op on inputs already in the dtype its policy runs it in,
   * the patched op on the same inputs (nothing to cast: the overhead), with
-    the C fast path (``amp_patch/_fastpath.c``) and with the pure-Python
+    the C fast path (``amp_patch/patching/_fastpath.c``) and with the pure-Python
     wrappers that run where it was not built,
   * the patched op on inputs it must cast, next to the unpatched op on the
     same inputs under torch.autocast (the reference). Autocast does not
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import wrapt
 
 import amp_patch
-from amp_patch import wrappers
+from amp_patch.patching import wrappers
 
 
 def _cases(half: torch.dtype):

@@ -59,7 +59,7 @@ def clean_env(monkeypatch):
 def wrapper_path(request, monkeypatch):
     """Which wrapper types ``initialize`` builds: the C fast path's or the
     pure-Python ones (what runs where no compiler was there at install)."""
-    from amp_patch import wrappers
+    from amp_patch.patching import wrappers
 
     if request.param == "c":
         fast_path()

@@ -11,7 +11,8 @@ import time
 import pytest
 
 import amp_patch
-from amp_patch import launcher, wrappers
+from amp_patch.frontends import launcher
+from amp_patch.patching import wrappers
 
 #: every environment variable amp_patch reads
 ENV = (launcher.ENV_OPT_LEVEL, launcher.ENV_HALF_DTYPE, launcher.ENV_LOSS_SCALE, launcher.ENV_LISTS, launcher.ENV_OUTPUTS)

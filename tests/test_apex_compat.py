@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import ConfigError, session, alias, amp
+from amp_patch import ConfigError, session, amp
+from amp_patch.frontends import alias
 
 # apex.amp's public surface (apex/amp/__init__.py) and its signatures.
 APEX_NAMES = (

@@ -540,7 +540,7 @@ def test_deinitialize_after_an_exception_in_the_step_restores_everything(level, 
         handle.remove()
         amp_patch.deinitialize()
     assert _changed(before) == []
-    from amp_patch import wrappers
+    from amp_patch.patching import wrappers
 
     assert not wrappers.disabled  # the disable_casts block was left on the way out
     assert _same_objects(model.parameters(), fp32_params)  # the same tensors, back in FP32

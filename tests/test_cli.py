@@ -16,7 +16,8 @@ import torch
 import yaml
 
 import amp_patch
-from amp_patch import cli, oplists, scaling
+from amp_patch import oplists, scaling
+from amp_patch.frontends import cli
 from helpers import ENV, write
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -253,15 +254,15 @@ def test_check_a_missing_file_exits_2(capsys, tmp_path):
 
 def test_demo_dispatches_to_the_demo_module(monkeypatch):
     calls = []
-    fake = types.ModuleType("amp_patch.demo")
+    fake = types.ModuleType("amp_patch.frontends.demo")
     fake.main = lambda argv: calls.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "amp_patch.demo", fake)
+    monkeypatch.setitem(sys.modules, "amp_patch.frontends.demo", fake)
     assert cli.main(["demo", "--steps", "5"]) == 3
     assert calls == [["--steps", "5"]]
 
 
 def test_demo_missing_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "amp_patch.demo", None)  # as if the file were absent
+    monkeypatch.setitem(sys.modules, "amp_patch.frontends.demo", None)  # as if the file were absent
     assert cli.main(["demo"]) == 2
     assert "the demo is not part of this installation" in capsys.readouterr().err
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import amp_patch
-from amp_patch import demo
+from amp_patch.frontends import demo
 
 SMALL = ["--size", "32", "--batch-size", "8", "--batches", "2", "--epochs", "2", "--warmup", "1", "--no-progress"]
 

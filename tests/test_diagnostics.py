@@ -11,7 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import _modes, session, diagnostics
+from amp_patch import session, diagnostics
+from amp_patch.patching import modes
 from amp_patch.diagnostics import AmpWarning
 from amp_patch.errors import StateError
 from amp_patch.properties import resolve
@@ -414,15 +415,15 @@ def test_find_overflow_arms_one_step_then_disarms():
         amp.scalers.append(scaler)
         # Not armed: a skipped step is only logged.
         assert diagnostics.on_skipped_step(amp, 0, scaler) is None
-        assert _modes._observers == () and not model.fc._forward_hooks
+        assert modes._observers == () and not model.fc._forward_hooks
 
         amp_patch.find_overflow()
-        assert len(_modes._observers) == 1 and model.fc._forward_hooks
+        assert len(modes._observers) == 1 and model.fc._forward_hooks
         model(torch.full((2, 8), 10.0))
         prov, _, _ = _skip(amp, scaler, step=3)
         assert prov.step == 3 and prov.op == "torch.nn.functional.linear"
         # one step only: hooks and mode are gone
-        assert _modes._observers == () and not model.fc._forward_hooks
+        assert modes._observers == () and not model.fc._forward_hooks
         assert torch._C._len_torch_function_stack() == 0
         assert diagnostics.on_skipped_step(amp, 0, scaler) is None
         assert amp_patch.report().overflow == prov  # still reported
@@ -432,7 +433,7 @@ def test_find_overflow_arms_one_step_then_disarms():
         model(torch.ones(2, 8))
         scaler.history.append((4, 65536.0, False))
         model(torch.ones(2, 8))
-        assert _modes._observers == () and not model.fc._forward_hooks
+        assert modes._observers == () and not model.fc._forward_hooks
     finally:
         amp_patch.deinitialize()
 
@@ -448,10 +449,10 @@ def test_find_overflow_true_stays_armed_and_deinitialize_removes_it():
             model(torch.full((2, 8), 10.0))
             prov, _, _ = _skip(amp, scaler, step=step)
             assert prov.kind == "output" and prov.step == step
-        assert len(_modes._observers) == 1
+        assert len(modes._observers) == 1
     finally:
         amp_patch.deinitialize()
-    assert _modes._observers == () and not model.fc._forward_hooks and not model._forward_pre_hooks
+    assert modes._observers == () and not model.fc._forward_hooks and not model._forward_pre_hooks
     assert torch._C._len_torch_function_stack() == 0
 
 

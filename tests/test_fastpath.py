@@ -1,4 +1,4 @@
-"""The C fast path (``amp_patch/_fastpath.c``) decides exactly as the Python wrappers.
+"""The C fast path (``amp_patch/patching/_fastpath.c``) decides exactly as the Python wrappers.
 
 Each case runs twice, once with the C wrapper types and once with the pure-Python
 ones (``wrappers.fast`` set to None, as when no compiler was there at install), and
@@ -21,7 +21,8 @@ import torch.nn.functional as F
 import wrapt
 
 import amp_patch
-from amp_patch import session, wrappers
+from amp_patch import session
+from amp_patch.patching import wrappers
 from helpers import HAS_C_COMPILER, fast_path
 
 bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -45,7 +46,7 @@ def test_the_c_fast_path_is_built_where_a_compiler_is():
     if not HAS_C_COMPILER:
         pytest.skip("no C compiler on this machine: amp_patch runs its pure-Python wrappers")
     assert wrappers.fast is not None, (
-        f"a C compiler is here but amp_patch._fastpath is not importable ({wrappers.FAST_UNAVAILABLE}); "
+        f"a C compiler is here but amp_patch.patching._fastpath is not importable ({wrappers.FAST_UNAVAILABLE}); "
         f"reinstall with `pip install -e .` to build it"
     )
 
@@ -53,7 +54,7 @@ def test_the_c_fast_path_is_built_where_a_compiler_is():
 def test_c_wrappers_are_wrapt_function_wrappers(o4):
     mm, add = torch.mm, vars(torch.Tensor)["__add__"]
     fast = o4 == "c"
-    assert (type(mm).__module__ == "amp_patch._fastpath") is fast
+    assert (type(mm).__module__ == "amp_patch.patching._fastpath") is fast
     assert (type(add).__name__ == "FastMethodWrapper") is fast
     for w in (mm, add, F.linear):
         assert isinstance(w, wrapt.FunctionWrapper)
@@ -273,7 +274,7 @@ def test_wrappers_are_freed_after_deinitialize(o4):
 def test_pure_python_environment_variable():
     code = (
         "import torch, amp_patch\n"
-        "from amp_patch import wrappers\n"
+        "from amp_patch.patching import wrappers\n"
         "amp_patch.initialize(None, None, 'O4', verbosity=0)\n"
         "print(wrappers.fast is None, type(torch.mm).__name__, torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype)\n"
     )
@@ -331,7 +332,7 @@ def test_wrapt_without_its_c_extension_still_patches_correctly_and_says_what_it_
     (results as with the C types), and initialize warns, naming the fix."""
     code = (
         "import torch, torch.nn.functional as F, amp_patch\n"
-        "from amp_patch import wrappers\n"
+        "from amp_patch.patching import wrappers\n"
         "from amp_patch.oplists import NAMESPACES\n"
         "before = {n: dict(vars(o)) for n, o in NAMESPACES.items()}\n"
         "x, w = torch.randn(3, 4), torch.nn.Parameter(torch.randn(5, 4))\n"

@@ -13,8 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import ConfigError, ListError, session, launcher, scaling
-from amp_patch.launcher import Launch, OptimizerHook, Settings, owning_model
+from amp_patch import ConfigError, ListError, session, scaling
+from amp_patch.frontends import launcher
+from amp_patch.frontends.launcher import Launch, OptimizerHook, Settings, owning_model
 from helpers import destroy_process_group, write
 
 pytestmark = pytest.mark.usefixtures("clean_env")

@@ -40,7 +40,8 @@ import torch
 
 import amp_patch
 import op_samples
-from amp_patch import oplists, wrappers
+from amp_patch import oplists
+from amp_patch.patching import wrappers
 from amp_patch.oplists import NAMESPACES
 
 f16, bf16, f32, f64, i64 = torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64

@@ -1,6 +1,6 @@
 """The op lists ship inside the package: found after `pip install .`, after
 `pip install -e .` (this test environment) and from a built wheel. Where a C
-compiler is, each install builds the C fast path (``amp_patch._fastpath``)."""
+compiler is, each install builds the C fast path (``amp_patch.patching._fastpath``)."""
 from __future__ import annotations
 
 import os
@@ -20,7 +20,7 @@ PROBE = (
     "import amp_patch, amp_patch.oplists as L, sys; "
     "names = [n for n, _ in L.default_files()]; "
     "print(amp_patch.__file__); print(len(L.load().entries), sorted(names)); "
-    "import amp_patch.wrappers as W; print('fastpath', W.fast.__file__ if W.fast else W.FAST_UNAVAILABLE)"
+    "import amp_patch.patching.wrappers as W; print('fastpath', W.fast.__file__ if W.fast else W.FAST_UNAVAILABLE)"
 )
 
 
@@ -70,7 +70,7 @@ def test_wheel_contains_lists_and_loads_them(tmp_path):
     _pip("install", "--no-deps", "--target", str(site), str(wheel), cwd=tmp_path)
     out = _probe(site, tmp_path)
     assert str(site) in out and "torch.nn.functional.yaml" in out
-    assert any(n.startswith("amp_patch/_fastpath") and n.endswith((".so", ".pyd")) for n in names) or not HAS_C_COMPILER
+    assert any(n.startswith("amp_patch/patching/_fastpath") and n.endswith((".so", ".pyd")) for n in names) or not HAS_C_COMPILER
     _assert_fast_path_in(out, site)
 
 
@@ -94,3 +94,18 @@ def test_editable_install_finds_lists_in_the_checkout():
     assert Path(str(root)).resolve() == (ROOT / "lists").resolve()
     assert len(L.load().entries) > 200
     assert [n for n, _ in L.default_files()] == LIST_FILES
+
+
+def test_a_checkout_on_pythonpath_without_installing_finds_the_lists(tmp_path):
+    # A copy of the checkout that was never installed: amp_patch comes from
+    # PYTHONPATH, and the editable install's finder is taken out of the way.
+    src = _source_copy(tmp_path)
+    probe = (
+        "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+        + PROBE
+    )
+    env = dict(os.environ, PYTHONPATH=str(src), AMP_PATCH_PURE_PYTHON="1")
+    res = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(str(src / "amp_patch"))
+    assert "torch.Tensor.yaml" in res.stdout and "torch.nn.functional.yaml" in res.stdout

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from amp_patch.scaler import LossScaler
+from amp_patch.scaling.scaler import LossScaler
 
 configs = st.fixed_dictionaries(
     {
@@ -156,7 +156,7 @@ def test_apex_state_loads_and_bad_state_is_refused():
 
 
 def test_history_is_bounded():
-    from amp_patch import scaler as mod
+    from amp_patch.scaling import scaler as mod
 
     s = LossScaler("dynamic")
     for _ in range(mod.HISTORY_LENGTH + 5):

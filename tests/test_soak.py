@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch.scaler import HISTORY_LENGTH
+from amp_patch.scaling.scaler import HISTORY_LENGTH
 
 STEPS = 10_000
 CHECKPOINTS = (2_500, 5_000, STEPS)

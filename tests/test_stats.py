@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import _modes, session
+from amp_patch import session
+from amp_patch.patching import modes
 from amp_patch.errors import StateError
 
 B, D_IN, D_OUT = 4, 8, 4
@@ -199,7 +200,7 @@ def test_stats_off_costs_nothing():
         model(torch.randn(B, D_IN))
         # no watching mode, no observer: the patched ops run as without stats
         assert torch._C._len_torch_function_stack() == 0
-        assert _modes._observers == ()
+        assert modes._observers == ()
         text = str(amp_patch.report())
         assert "ops: not recorded; initialize(..., collect_stats=True) records them" in text
         with pytest.raises(StateError, match="collect_stats=True"):
@@ -217,7 +218,7 @@ def test_deinitialize_takes_the_watch_off():
     finally:
         amp_patch.deinitialize()
     assert torch._C._len_torch_function_stack() == 0
-    assert _modes._observers == ()
+    assert modes._observers == ()
 
 
 def test_a_users_mode_entered_later_survives_deinitialize():

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import wrappers
+from amp_patch.patching import wrappers
 
 HALVES = [torch.float16, torch.bfloat16]
 IDS = ["fp16", "bf16"]
@@ -114,7 +114,7 @@ def test_disable_casts_in_one_thread_does_not_reach_the_others(o1):
         3: (torch.float16, torch.float16),
     }
     assert (x @ x).dtype == torch.float16  # the main thread was never disabled
-    from amp_patch import wrappers
+    from amp_patch.patching import wrappers
 
     assert not wrappers.disabled  # every thread's depth was popped
 

@@ -20,8 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import launcher
-from amp_patch.launcher import Settings
+from amp_patch.frontends import launcher
+from amp_patch.frontends.launcher import Settings
 from helpers import amp, write
 
 FP16 = dict(half_dtype=torch.float16)
@@ -524,7 +524,7 @@ def test_a_scripted_module_at_o1_is_named_as_running_in_fp32():
 @pytest.mark.parametrize("later", [False, True])
 def test_a_conversion_that_fails_half_way_is_undone(monkeypatch, later):
     """Every step of conversion is undone on a failure, for a first and a later initialize."""
-    from amp_patch import model as model_side
+    from amp_patch.precision import model as model_side
 
     torch.manual_seed(0)
     first = nn.Linear(4, 4)

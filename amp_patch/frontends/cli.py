@@ -20,8 +20,8 @@ import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from .errors import AmpError
-from .properties import parse_dtype
+from ..errors import AmpError
+from ..properties import parse_dtype
 
 PROG = "amp-patch"
 HALF_CHOICES = "float16|bfloat16"
@@ -153,11 +153,11 @@ def _main_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_lists(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import listview
+    from ..oplists import view
 
     try:
         half = None if ns.half_dtype is None else parse_dtype(ns.half_dtype, "--half-dtype")
-        text = listview.render(ns.lists, half, ns.device, ns.format)
+        text = view.render(ns.lists, half, ns.device, ns.format)
     except AmpError as e:
         parser.error(str(e))
     try:
@@ -169,12 +169,12 @@ def _cmd_lists(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _cmd_check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import listview
+    from ..oplists import view
 
     missing = [f for f in ns.files if not os.path.exists(f)]
     if missing:
         parser.error(f"no such file: {', '.join(missing)}")
-    problems = listview.check(ns.files)
+    problems = view.check(ns.files)
     for line in problems:
         print(line)
     if problems:
@@ -186,9 +186,9 @@ def _cmd_check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _cmd_demo(tokens: Sequence[str]) -> int:
     try:
-        demo = importlib.import_module("amp_patch.demo")
+        demo = importlib.import_module("amp_patch.frontends.demo")
     except ModuleNotFoundError as e:
-        if e.name != "amp_patch.demo":
+        if e.name != "amp_patch.frontends.demo":
             raise
         print(f"{PROG} demo: the demo is not part of this installation of amp_patch (amp_patch/demo.py is missing)", file=sys.stderr)
         return 2

@@ -337,7 +337,7 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
         if (!(PyTuple_CheckExact(cache_maps) && PyTuple_GET_SIZE(cache_maps) == 2 &&
               PyDict_CheckExact(PyTuple_GET_ITEM(cache_maps, 0)) && PyDict_CheckExact(PyTuple_GET_ITEM(cache_maps, 1)) &&
               PyList_CheckExact(cache_counts) && PyList_GET_SIZE(cache_counts) == 2)) {
-            PyErr_SetString(PyExc_TypeError, "cache is not an amp_patch._cast.CastCache");
+            PyErr_SetString(PyExc_TypeError, "cache is not an amp_patch.patching.cast.CastCache");
             goto finally;
         }
     }
@@ -481,7 +481,7 @@ make_type(const char *name, PyObject *base, int method)
 }
 
 static struct PyModuleDef fastpath_module = {
-    PyModuleDef_HEAD_INIT, "amp_patch._fastpath",
+    PyModuleDef_HEAD_INIT, "amp_patch.patching._fastpath",
     "The no-cast check of a patched op, in C (see wrappers.py).", -1, NULL,
 };
 
@@ -516,13 +516,13 @@ PyInit__fastpath(void)
     if (grad_enabled == NULL)
         return NULL;
     tensor_type = (PyTypeObject *)import_attr("torch", "Tensor");
-    disabled = import_attr("amp_patch.wrappers", "disabled");
-    divert = import_attr("amp_patch.wrappers", "divert");
+    disabled = import_attr("amp_patch.patching.wrappers", "disabled");
+    divert = import_attr("amp_patch.patching.wrappers", "divert");
     function_wrapper = import_attr("wrapt", "FunctionWrapper");
     if (!tensor_type || !disabled || !divert || !function_wrapper)
         goto fail;
     if (!PyType_Check(tensor_type) || !PyDict_CheckExact(disabled) || !PyDict_CheckExact(divert) || !PyType_Check(function_wrapper)) {
-        PyErr_SetString(PyExc_ImportError, "unexpected torch.Tensor, wrapt or amp_patch.wrappers");
+        PyErr_SetString(PyExc_ImportError, "unexpected torch.Tensor, wrapt or amp_patch.patching.wrappers");
         goto fail;
     }
     /* with wrapt's pure-Python fallback there is no C object to extend */
@@ -543,8 +543,8 @@ PyInit__fastpath(void)
     wrapt_heap = (wrapt_type->tp_flags & Py_TPFLAGS_HEAPTYPE) != 0;
     base_init = wrapt_type->tp_base->tp_init;
     fast_offset = wrapt_type->tp_basicsize;
-    function_type = make_type("amp_patch._fastpath.FastOpWrapper", function_wrapper, 0);
-    method_type = make_type("amp_patch._fastpath.FastMethodWrapper", function_wrapper, 1);
+    function_type = make_type("amp_patch.patching._fastpath.FastOpWrapper", function_wrapper, 0);
+    method_type = make_type("amp_patch.patching._fastpath.FastMethodWrapper", function_wrapper, 1);
     if (!function_type || !method_type)
         goto fail;
     m = PyModule_Create(&fastpath_module);

@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_patch
 
-from . import diagnostics
-from .stats import dtype_name
+from .. import diagnostics
+from ..diagnostics.stats import dtype_name
 
 MODES = ("FP32", "O1", "O2")
 NO_NATIVE_BF16 = (
@@ -343,7 +343,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     Example::
 
-        from amp_patch import demo
+        from amp_patch.frontends import demo
         demo.main(["--size", "512", "--batches", "4"])
     """
     try:

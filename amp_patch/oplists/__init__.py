@@ -37,8 +37,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 import yaml
 
-from .errors import ListError
-from .wrappers import INPLACE_DUNDERS, POLICIES
+from ..errors import ListError
+from ..patching.wrappers import INPLACE_DUNDERS, POLICIES
 
 log = logging.getLogger("amp_patch")
 
@@ -340,9 +340,19 @@ def _read_source(src: ListSource, allow_remove: bool) -> _Reader:
     raise ListError(f"lists= takes a YAML path, a dict, or a list of them; got {type(src).__name__}")
 
 
+def _lists_root() -> Any:
+    """Where the shipped lists are: the ``amp_patch.lists`` package an install
+    makes of the top-level ``lists/``, or that folder itself in a checkout used
+    from ``PYTHONPATH`` without installing."""
+    try:
+        return resources.files(__name__.partition(".")[0] + ".lists")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "lists"
+
+
 def default_files() -> List[Tuple[str, str]]:
     """``(file name, text)`` of every shipped default list, in a stable order."""
-    root = resources.files("amp_patch.lists")
+    root = _lists_root()
     return sorted((p.name, p.read_text(encoding="utf-8")) for p in root.iterdir() if p.name.endswith(".yaml"))
 
 

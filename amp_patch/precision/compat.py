@@ -17,7 +17,7 @@ from typing import Any, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _LOW = (torch.float16, torch.bfloat16)
 

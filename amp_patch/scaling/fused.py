@@ -77,7 +77,7 @@ def validate(props: Any, options: Any, optimizers: List[torch.optim.Optimizer]) 
     Raises:
         ConfigError: naming what the fused update needs and the fix.
     """
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     if not options.fused_update:
         return

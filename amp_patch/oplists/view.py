@@ -12,8 +12,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import yaml
 
-from . import oplists
-from .properties import default_half_dtype, parse_dtype
+from .. import oplists
+from ..properties import default_half_dtype, parse_dtype
 
 
 @dataclasses.dataclass(frozen=True)

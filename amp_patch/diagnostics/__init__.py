@@ -35,12 +35,14 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _modes, frames, session
-from ._cast import LOW
-from .errors import StateError
-from .oplists import NAMESPACES, OPERATOR_FORMS
+from ..patching import modes
+
+from .. import frames, session
+from ..patching.cast import LOW
+from ..errors import StateError
+from ..oplists import NAMESPACES, OPERATOR_FORMS
 from .stats import dtype_name
-from .wrappers import _GLOBALS as wrappers_globals, _tensors as wrappers_tensors, wrapt_has_c_extension
+from ..patching.wrappers import _GLOBALS as wrappers_globals, _tensors as wrappers_tensors, wrapt_has_c_extension
 
 log = logging.getLogger("amp_patch")
 
@@ -341,11 +343,11 @@ def _first_non_finite(obj: Any) -> Optional[torch.Tensor]:
 
 
 #: how _cast converts a tensor (``to``, or the dtype methods it calls through
-#: ``_cast.CONVERT``): an overflow there is the cast's, not the op's
+#: ``cast.CONVERT``): an overflow there is the cast's, not the op's
 _CAST_OPS = frozenset(("torch.Tensor", n) for n in ("to", "half", "bfloat16", "float"))
 
 
-def _running_wrapper_op(names: _modes.OpNames) -> Optional[str]:
+def _running_wrapper_op(names: modes.OpNames) -> Optional[str]:
     """The patched op whose casting wrapper is on the stack, if any.
 
     Walks frames, so only for the one call that found an inf/NaN. Every
@@ -356,7 +358,7 @@ def _running_wrapper_op(names: _modes.OpNames) -> Optional[str]:
         if f.f_globals is wrappers_globals and "wrapped" in f.f_code.co_varnames:
             wrapped = f.f_locals.get("wrapped")
             found = names.names(wrapped)
-            return _modes.qualname(found[0]) if found else getattr(wrapped, "__qualname__", None)
+            return modes.qualname(found[0]) if found else getattr(wrapped, "__qualname__", None)
         f = f.f_back
     return None
 
@@ -469,7 +471,7 @@ class _OverflowWatch:
     def __init__(self, amp: Any, once: bool):
         self.amp = amp
         self.once = once
-        self.names = _modes.OpNames(amp)
+        self.names = modes.OpNames(amp)
         self.event: Optional[dict] = None
         self.stack: List[Tuple[str, str]] = []  # (module label, class name), innermost last
         self.handles: List[Any] = []
@@ -493,7 +495,7 @@ class _OverflowWatch:
                 label = ".".join(x for x in (f"model{i}" if several else "", name) if x) or type(mod).__name__
                 self.handles.append(mod.register_forward_pre_hook(self._enter_hook(label, type(mod).__name__, name == "")))
                 self.handles.append(mod.register_forward_hook(self._leave_hook(label, type(mod).__name__), always_call=True))
-        _modes.add(self._observe)
+        modes.add(self._observe)
         self.armed = True
 
     def disarm(self) -> None:
@@ -504,7 +506,7 @@ class _OverflowWatch:
             h.remove()
         self.handles.clear()
         self.stack.clear()
-        _modes.remove(self._observe)
+        modes.remove(self._observe)
 
     # -- hooks
     def _enter_hook(self, label: str, typename: str, root: bool):
@@ -575,7 +577,7 @@ class _OverflowWatch:
             outer = _running_wrapper_op(self.names)
             if outer is not None:
                 return outer, True
-        return _modes.qualname(names[0]), False
+        return modes.qualname(names[0]), False
 
     def _where(self) -> dict:
         if not self.stack:

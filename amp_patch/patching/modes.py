@@ -29,8 +29,10 @@ import torch
 import wrapt
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
-from . import frames, wrappers
-from .oplists import NAMESPACES, OPERATOR_FORMS
+from .. import frames
+
+from . import wrappers
+from ..oplists import NAMESPACES, OPERATOR_FORMS
 
 Observer = Callable[[Any, tuple, dict, Any], None]
 
@@ -42,7 +44,7 @@ _local = threading.local()
 
 
 _WRAPT_TYPES = (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)
-_PREFIX = __package__ + "."
+_PREFIX = frames.PACKAGE + "."  # any amp_patch module: the backward and clip patches too
 
 
 def _ours(func: Any) -> bool:

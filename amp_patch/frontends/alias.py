@@ -76,7 +76,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             pkg = types.ModuleType("apex", "Stand-in for NVIDIA Apex: only apex.amp, served by amp_patch.amp.")
             pkg.__getattr__ = _package_getattr  # `import apex; apex.amp.scale_loss(...)`
             return pkg
-        from . import amp
+        from .. import amp
 
         self._amp_spec = amp.__spec__
         return amp
@@ -138,7 +138,7 @@ def install_apex_alias() -> bool:
         sys.meta_path.insert(0, _finder)
         if real is not None:
             # An Apex kept for its kernels: `apex.amp` must work as an attribute too.
-            from . import amp
+            from .. import amp
 
             real.amp = amp
             _real_apex = real
@@ -163,13 +163,13 @@ def remove_apex_alias() -> None:
 
         amp_patch.install_apex_alias()
         ...
-        amp_patch.alias.remove_apex_alias()
+        amp_patch.frontends.alias.remove_apex_alias()
     """
     global _finder, _real_apex
     with _lock:
         if _finder is None:
             return
-        from . import amp
+        from .. import amp
 
         try:
             sys.meta_path.remove(_finder)

@@ -48,9 +48,9 @@ from typing import Any, Callable, Optional
 import torch
 import wrapt
 
-from . import frames
-from ._cast import CASTABLE, CONVERT, LOW, CastCache, cast, cast_args, needs_cast
-from .errors import BannedOpError, CastError
+from .. import frames
+from .cast import CASTABLE, CONVERT, LOW, CastCache, cast, cast_args, needs_cast
+from ..errors import BannedOpError, CastError
 
 f32 = torch.float32
 Tensor = torch.Tensor
@@ -601,7 +601,7 @@ class _DecoratorPolicy:
 
         @wrapt.decorator
         def wrapper(wrapped, instance, args, kwargs):
-            from . import session
+            from .. import session
 
             amp = session.current()
             if amp is None or not amp.props.patch_torch_functions or switch.off:

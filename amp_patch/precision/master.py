@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ._cast import LOW
+from ..patching.cast import LOW
 
 Tensor = torch.Tensor
 f32 = torch.float32

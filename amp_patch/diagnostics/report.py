@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import session
-from .errors import StateError
+from .. import session
+from ..errors import StateError
 from .stats import dtype_name
 
 POLICY_ORDER = ("half", "float", "promote", "sequence_promote")
@@ -256,7 +256,7 @@ def report() -> Report:
         print(amp_patch.report())
         calls = amp_patch.report().to_dict()["ops"]["torch.nn.functional.linear"]["calls"]
     """
-    from . import diagnostics
+    from .. import diagnostics
 
     amp = _current("report")
     ledger = amp.ledger.to_dict() if amp.ledger is not None else {}

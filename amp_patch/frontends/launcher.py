@@ -42,11 +42,11 @@ import torch
 import wrapt
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from . import diagnostics, oplists, session
-from ._patch import Patcher
-from .session import UndoStack
-from .errors import ConfigError
-from .properties import OPT_LEVELS, parse_dtype, resolve
+from .. import diagnostics, oplists, session
+from ..patching.registry import Patcher
+from ..session import UndoStack
+from ..errors import ConfigError
+from ..properties import OPT_LEVELS, parse_dtype, resolve
 
 log = logging.getLogger("amp_patch")
 
@@ -286,7 +286,7 @@ def owning_model(optimizer: torch.optim.Optimizer) -> torch.nn.Module:
 
 
 def _end_session() -> None:
-    from . import frontend
+    from .. import frontend
 
     frontend.deinitialize()
 
@@ -323,7 +323,8 @@ class Launch:
             finally:
                 launch.stop()
         """
-        from . import alias, frontend
+        from . import alias
+        from .. import frontend
 
         if session.current() is not None:
             raise ConfigError("amp_patch is already initialized in this process; the launcher starts it itself. Call amp_patch.deinitialize() first.")
@@ -399,7 +400,8 @@ class Launch:
         if not self._ours():
             return
         if self.settings.opt_level in FUNCTION_LEVELS:
-            from . import model as model_side, scaling
+            from ..precision import model as model_side
+            from .. import scaling
 
             scaling.adopt_optimizer(optimizer)
             amp = session.current()
@@ -410,7 +412,7 @@ class Launch:
                     return  # no single model: nothing to cast the outputs of
                 model_side.cast_outputs(amp, model)
             return
-        from . import frontend
+        from .. import frontend
 
         model = owning_model(optimizer)
         if self.amp is not None and any(model is m for m in self.amp.models):
@@ -474,7 +476,7 @@ def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Opt
 
     Example::
 
-        from amp_patch import launcher
+        from amp_patch.frontends import launcher
         launcher.run("train.py", ["--epochs", "1"], launcher.Settings.resolve(opt_level="O1"))
     """
     settings = settings if settings is not None else Settings.resolve()

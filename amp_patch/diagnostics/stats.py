@@ -25,9 +25,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import _modes, session
-from ._cast import needs_cast
-from .wrappers import is_inplace, switch
+from ..patching import modes
+
+from .. import session
+from ..patching.cast import needs_cast
+from ..patching.wrappers import is_inplace, switch
 
 f32 = torch.float32
 
@@ -92,21 +94,21 @@ class Ledger:
         self.ops: Dict[str, OpStats] = {}
         self.unlisted: Dict[str, List[Any]] = {}  # qualname -> [calls, first site]
         self._here = threading.local()
-        self._names: Optional[_modes.OpNames] = None
+        self._names: Optional[modes.OpNames] = None
 
     # -- called by the wrappers
     def record(self, qualname: str, policy: str, out: Any, ncasts: int, nbytes: int) -> None:
         """Count one call of a patched op (called by the casting wrapper)."""
         if not getattr(self._here, "watching", False):
             self._watch_here()
-        frame = _modes.caller()
-        if _modes.is_internal(frame):
+        frame = modes.caller()
+        if modes.is_internal(frame):
             return  # the loss scaler's own arithmetic is not the user's model
         dtype = _dtype_of(out)
         with self._lock:
             s = self.ops.get(qualname)
             if s is None:
-                s = self.ops[qualname] = OpStats(policy, _modes.site(frame))
+                s = self.ops[qualname] = OpStats(policy, modes.site(frame))
             s.calls += 1
             s.casts += ncasts
             s.bytes_cast += nbytes
@@ -122,12 +124,12 @@ class Ledger:
         with self._lock:
             first = self._names is None
             if first:
-                self._names = _modes.OpNames(amp)
+                self._names = modes.OpNames(amp)
         if first:
-            _modes.add(self._observe)
+            modes.add(self._observe)
             amp.undo.push(self.stop)
         else:
-            _modes.ensure_here()
+            modes.ensure_here()
         self._here.watching = True
 
     def _watch_here(self) -> None:
@@ -139,7 +141,7 @@ class Ledger:
 
     def stop(self) -> None:
         """Stop watching unlisted ops (run at ``deinitialize``)."""
-        _modes.remove(self._observe)
+        modes.remove(self._observe)
 
     # -- called by the watching mode for every torch call
     def _observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -154,14 +156,14 @@ class Ledger:
         half = self._names.amp.props.half_dtype
         if not (needs_cast(args, half) or needs_cast(kwargs, half)):
             return
-        frame = _modes.caller()
-        if _modes.is_internal(frame):
+        frame = modes.caller()
+        if modes.is_internal(frame):
             return
-        q = _modes.qualname(names[0])
+        q = modes.qualname(names[0])
         with self._lock:
             u = self.unlisted.get(q)
             if u is None:
-                u = self.unlisted[q] = [0, _modes.site(frame)]
+                u = self.unlisted[q] = [0, modes.site(frame)]
             u[0] += 1
 
     # -- reading and clearing

@@ -25,11 +25,15 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import session, compat, copies, fused, inflight, master
-from ._cast import CASTABLE, LOW, cast, needs_cast
-from .errors import ConfigError, StateError
-from .options import Options
-from .properties import parse_dtype
+from .. import session, inflight
+
+from . import compat, copies, master
+
+from ..scaling import fused
+from ..patching.cast import CASTABLE, LOW, cast, needs_cast
+from ..errors import ConfigError, StateError
+from ..options import Options
+from ..properties import parse_dtype
 
 Tensor = torch.Tensor
 f32 = torch.float32
@@ -520,7 +524,7 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
     Each change pushes its undo onto ``amp.undo`` as it is made, so a failure
     half way, or ``deinitialize``, restores the models and optimizers.
     """
-    from . import scaling
+    from .. import scaling
 
     props = amp.props
     originals: Dict[int, tuple] = {}

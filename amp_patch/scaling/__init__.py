@@ -34,11 +34,15 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import session, diagnostics, leaves, master
-from .errors import ConfigError, OverflowLoopError, StateError
-from .options import Options
+from .. import session, diagnostics
+
+from . import leaves
+
+from ..precision import master
+from ..errors import ConfigError, OverflowLoopError, StateError
+from ..options import Options
 from .scaler import LossScaler
-from .wrappers import OpWrapper, switch
+from ..patching.wrappers import OpWrapper, switch
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
@@ -905,7 +909,8 @@ def adopt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         model = amp_patch.initialize(model, opt_level="O1")
         optimizer = amp_patch.adopt_optimizer(torch.optim.AdamW(model.parameters()))
     """
-    from . import frontend, model as model_side
+    from .. import frontend
+    from ..precision import model as model_side
 
     with frontend._lock:
         amp = _current("adopt_optimizer")
