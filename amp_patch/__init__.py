@@ -21,6 +21,7 @@ from .errors import (
 )
 from .frontends.alias import install_apex_alias
 from .frontend import (
+    adopt_optimizer,
     deinitialize,
     disable_casts,
     float_function,
@@ -34,7 +35,6 @@ from .frontend import (
 )
 from .diagnostics import AmpWarning, find_overflow
 from .scaling import (
-    adopt_optimizer,
     counters,
     load_state_dict,
     master_params,

@@ -10,6 +10,7 @@ never left half-patched.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import logging
@@ -18,13 +19,22 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import session, inflight, oplists
-from .session import Session
+import wrapt
+
+from . import diagnostics, inflight, oplists, session
+from .diagnostics.stats import Ledger
 from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
 from .options import Options
+from .patching.cast import cast
+from .patching.wrappers import make_planner, make_wrapper, pop_disabled, push_disabled, switch
+from .precision import model as model_side
+from .precision import optimizers as optimizers_side
 from .properties import EXTRA_OPTIONS, Properties, resolve
-from .patching.wrappers import _DecoratorPolicy, make_wrapper, pop_disabled, push_disabled
+from .scaling import optimizer as optimizer_scaling
+from .scaling import state as scaling_state
+from .scaling import validate_options
+from .session import Session
 
 log = logging.getLogger("amp_patch")
 _lock = threading.RLock()
@@ -193,9 +203,6 @@ def initialize(
 
 
 def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides):
-    from .precision import model as model_side
-    from . import scaling
-
     model_list, models_were_list = _as_list(models, torch.nn.Module, "models")
     opt_list, opts_were_list = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
     # What the launcher (or amp_patch.auto) started is provisional: a script's
@@ -229,8 +236,9 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
             f"model instead), so they would do nothing. Use O1 or O4 for op lists, or drop lists="
         )
     table = oplists.load(lists).resolve(props.half_dtype, device_type) if props.patch_torch_functions else None
-    scaling.validate_options(props, options)
-    model_side.validate(model_list, opt_list, props, options, running)
+    validate_options(props, options)
+    model_side.validate(model_list, props, options)
+    optimizers_side.validate(model_list, opt_list, props, options, running)
 
     amp = running
     fresh = amp is None
@@ -259,17 +267,16 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
             prov.end()
         amp = Session(props, table, device_type, options)
         if options.collect_stats:
-            from .diagnostics.stats import Ledger
-
             amp.ledger = Ledger()
 
     mark = amp.undo.mark()
     try:
         if fresh:
             session.set_current(amp)
-        model_side.attach(amp, model_list, opt_list, options)
+        originals = model_side.attach(amp, model_list, options)
+        built = optimizers_side.attach(amp, model_list, opt_list, originals, options)
         inflight.watch(amp, model_list)
-        scaling.attach(amp, opt_list)
+        optimizer_scaling.attach(amp, opt_list, built)
         amp.extend(amp.models, model_list)
         amp.extend(amp.optimizers, opt_list)
         if fresh:
@@ -278,8 +285,6 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
                 if amp.ledger is not None:
                     amp.ledger.start(amp)
             if options.find_overflow:
-                from . import diagnostics
-
                 diagnostics.arm_find_overflow(amp)
     except BaseException:
         # the first call ends the session it started; a later one pops back to
@@ -291,8 +296,6 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         raise
     if fresh and options.verbosity:
         log.info("amp_patch: initialized %s with %s", props.opt_level, props.half_dtype)
-        from . import diagnostics
-
         diagnostics.warn_at_initialize(amp, model_list, opt_list)
 
     return _returned(models, model_list, models_were_list, optimizers, opt_list, opts_were_list)
@@ -339,9 +342,7 @@ def deinitialize() -> None:
             )
         with amp.flight.hold("amp_patch.deinitialize()"):
             try:
-                from . import scaling
-
-                scaling.settle(amp)
+                scaling_state.settle(amp)
             finally:
                 amp.end()
 
@@ -421,9 +422,82 @@ def register_promote_function(module: Any, name: str) -> None:
     _register(module, name, "promote")
 
 
-half_function = _DecoratorPolicy("half")
+
+
+class DecoratorPolicy:
+    """Backs ``half_function`` / ``float_function`` / ``promote_function``.
+
+    A user's own function is wrapped once at decoration time and consults the
+    running AMP state on every call: outside ``initialize`` it calls straight
+    through, so decorating at import time is safe.
+    """
+
+    def __init__(self, policy: str):
+        self.policy = policy
+
+    def __call__(self, fn: Callable) -> Callable:
+        policy = self.policy
+
+        @wrapt.decorator
+        def wrapper(wrapped, instance, args, kwargs):
+            amp = session.current()
+            if amp is None or not amp.props.patch_torch_functions or switch.off:
+                return wrapped(*args, **kwargs)
+            to = make_planner(policy, amp.props.half_dtype)(args, kwargs)
+            if to is None:
+                return wrapped(*args, **kwargs)
+            return wrapped(*cast(args, to, amp.cache), **cast(kwargs, to, amp.cache))
+
+        return wrapper(fn)
+
+
+def adopt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Attach an optimizer created after ``initialize``: loss scaling, and FP32
+    masters under O2/O5. A no-op for an optimizer already attached.
+
+    Args:
+        optimizer: the new optimizer; under O2/O5 its parameters must belong
+            to the models passed to ``initialize``.
+
+    Returns:
+        ``optimizer``, now patched like those passed to ``initialize``.
+
+    Raises:
+        StateError: before ``initialize``.
+        ConfigError: the optimizer does not fit the opt level (e.g. FP16
+            weights at O1, foreign parameters at O2); nothing changed.
+
+    Example::
+
+        model = amp_patch.initialize(model, opt_level="O1")
+        optimizer = amp_patch.adopt_optimizer(torch.optim.AdamW(model.parameters()))
+    """
+    with _lock:
+        amp = session.current()
+        if amp is None:
+            raise StateError("amp_patch.adopt_optimizer needs amp_patch.initialize(model, optimizer, opt_level=...) first")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"adopt_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        h = amp.optimizer_handles.get(id(optimizer))
+        if h is not None and h.optimizer is optimizer and h.patched:
+            return optimizer
+        # the first initialize's fused_update applies to an adopted optimizer; no models come with it
+        options = dataclasses.replace(amp.options, keep_fp32=None)
+        optimizers_side.validate([], [optimizer], amp.props, options, amp)
+        mark = amp.undo.mark()
+        try:
+            built = optimizers_side.attach(amp, [], [optimizer], {}, options)
+            optimizer_scaling.attach(amp, [optimizer], built)
+            amp.extend(amp.optimizers, [optimizer])
+        except BaseException:
+            amp.undo.pop_to(mark)
+            raise
+        return optimizer
+
+
+half_function = DecoratorPolicy("half")
 half_function.__doc__ = "Decorator: run a user function in the half dtype while O1/O4 is active."
-float_function = _DecoratorPolicy("float")
+float_function = DecoratorPolicy("float")
 float_function.__doc__ = "Decorator: run a user function in FP32 while O1/O4 is active."
-promote_function = _DecoratorPolicy("promote")
+promote_function = DecoratorPolicy("promote")
 promote_function.__doc__ = "Decorator: run a user function in the widest input dtype while O1/O4 is active."

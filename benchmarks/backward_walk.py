@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import amp_patch  # noqa: E402
-from amp_patch import scaling  # noqa: E402
+from amp_patch.scaling import patches  # noqa: E402
 from amp_patch.scaling import leaves
 from workloads import build  # noqa: E402
 
@@ -40,7 +40,7 @@ def measure(name: str, reps: int, scale: float) -> dict:
         model, opt = amp_patch.initialize(model, opt, "O1", half_dtype=torch.float16, loss_scale=128.0, verbosity=0)
     x, y = wl.batches[0]
     walk_s, with_s, without_s = [], [], []
-    real = scaling.guard_foreign
+    real = patches.guard_foreign
     try:
         for i in range(reps * 2):
             loss = wl.loss_fn(model(x), y)
@@ -48,14 +48,14 @@ def measure(name: str, reps: int, scale: float) -> dict:
             n = len(leaves.graph_leaves(loss))
             walk_s.append(time.perf_counter() - t)
             skip = i % 2 == 1
-            scaling.guard_foreign = _no_walk if skip else real
+            patches.guard_foreign = _no_walk if skip else real
             t = time.perf_counter()
             loss.backward()
             (without_s if skip else with_s).append(time.perf_counter() - t)
             opt.zero_grad(set_to_none=True)
-            scaling.guard_foreign = real
+            patches.guard_foreign = real
     finally:
-        scaling.guard_foreign = real
+        patches.guard_foreign = real
         amp_patch.deinitialize()
     med = statistics.median
     return dict(name=name, leaves=n, walk_us=med(walk_s) * 1e6, with_ms=med(with_s) * 1e3,

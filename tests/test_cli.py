@@ -16,7 +16,7 @@ import torch
 import yaml
 
 import amp_patch
-from amp_patch import oplists, scaling
+from amp_patch import frontend, oplists
 from amp_patch.frontends import cli
 from helpers import ENV, write
 
@@ -115,7 +115,7 @@ def test_script_exit_code_passes_through(tmp_path):
 
 
 def test_script_traceback_is_printed_as_python_prints_it(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(scaling, "adopt_optimizer", lambda opt: None, raising=False)
+    monkeypatch.setattr(frontend, "adopt_optimizer", lambda opt: None)
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     script = write(tmp_path, "fails.py", """\
         def helper():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_patch
-from amp_patch.scaling import fused
+from amp_patch.precision import fused
 from amp_patch.errors import ConfigError
 from helpers import amp
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import ConfigError, ListError, session, scaling
+from amp_patch import ConfigError, ListError, frontend, session
 from amp_patch.frontends import launcher
 from amp_patch.frontends.launcher import Launch, OptimizerHook, Settings, owning_model
 from helpers import destroy_process_group, write
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 def adopted(monkeypatch):
     """Record the optimizers the launcher hands to the loss scaler."""
     seen = []
-    monkeypatch.setattr(scaling, "adopt_optimizer", seen.append, raising=False)
+    monkeypatch.setattr(frontend, "adopt_optimizer", seen.append)
     return seen
 
 

@@ -612,13 +612,13 @@ def test_overflow_messages_are_rate_limited(caplog, monkeypatch):
     records = _overflow_steps(5, caplog)
     assert len(records) == 1 and "65536 -> 32768" in records[0].getMessage()
     caplog.clear()
-    monkeypatch.setattr(scaling._Notices, "interval", 0.0)
+    monkeypatch.setattr(scaling.state._Notices, "interval", 0.0)
     assert len(_overflow_steps(5, caplog)) == 5
 
 
 @pytest.mark.filterwarnings("ignore::amp_patch.AmpWarning")
 def test_overflow_messages_come_from_rank_zero_only(caplog, monkeypatch):
-    monkeypatch.setattr(scaling, "_is_rank0", lambda: False)
+    monkeypatch.setattr(scaling.state, "is_rank0", lambda: False)
     assert _overflow_steps(3, caplog) == []
 
 

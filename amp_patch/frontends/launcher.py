@@ -42,11 +42,13 @@ import torch
 import wrapt
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .. import diagnostics, oplists, session
-from ..patching.registry import Patcher
-from ..session import UndoStack
+from .. import diagnostics, frontend, oplists, session
 from ..errors import ConfigError
+from ..patching.registry import Patcher
+from ..precision import model as model_side
 from ..properties import OPT_LEVELS, parse_dtype, resolve
+from ..session import UndoStack
+from . import alias
 
 log = logging.getLogger("amp_patch")
 
@@ -286,8 +288,6 @@ def owning_model(optimizer: torch.optim.Optimizer) -> torch.nn.Module:
 
 
 def _end_session() -> None:
-    from .. import frontend
-
     frontend.deinitialize()
 
 
@@ -323,9 +323,6 @@ class Launch:
             finally:
                 launch.stop()
         """
-        from . import alias
-        from .. import frontend
-
         if session.current() is not None:
             raise ConfigError("amp_patch is already initialized in this process; the launcher starts it itself. Call amp_patch.deinitialize() first.")
         level = self.settings.opt_level
@@ -400,10 +397,7 @@ class Launch:
         if not self._ours():
             return
         if self.settings.opt_level in FUNCTION_LEVELS:
-            from ..precision import model as model_side
-            from .. import scaling
-
-            scaling.adopt_optimizer(optimizer)
+            frontend.adopt_optimizer(optimizer)
             amp = session.current()
             if amp.props.cast_model_outputs is not None:
                 try:
@@ -412,8 +406,6 @@ class Launch:
                     return  # no single model: nothing to cast the outputs of
                 model_side.cast_outputs(amp, model)
             return
-        from .. import frontend
-
         model = owning_model(optimizer)
         if self.amp is not None and any(model is m for m in self.amp.models):
             raise ConfigError(

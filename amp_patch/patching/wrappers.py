@@ -585,35 +585,6 @@ def _instrumented(qualname, policy, plan, cache, ledger, live):
     return wrapper
 
 
-class _DecoratorPolicy:
-    """Backs ``half_function`` / ``float_function`` / ``promote_function``.
-
-    A user's own function is wrapped once at decoration time and consults the
-    running AMP state on every call: outside ``initialize`` it calls straight
-    through, so decorating at import time is safe.
-    """
-
-    def __init__(self, policy: str):
-        self.policy = policy
-
-    def __call__(self, fn: Callable) -> Callable:
-        policy = self.policy
-
-        @wrapt.decorator
-        def wrapper(wrapped, instance, args, kwargs):
-            from .. import session
-
-            amp = session.current()
-            if amp is None or not amp.props.patch_torch_functions or switch.off:
-                return wrapped(*args, **kwargs)
-            to = make_planner(policy, amp.props.half_dtype)(args, kwargs)
-            if to is None:
-                return wrapped(*args, **kwargs)
-            return wrapped(*cast(args, to, amp.cache), **cast(kwargs, to, amp.cache))
-
-        return wrapper(fn)
-
-
 def wrapt_has_c_extension() -> bool:
     """True when ``wrapt.FunctionWrapper`` is wrapt's C type, not its pure-Python fallback."""
     try:

@@ -23,17 +23,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import session, inflight
-
-from . import compat, copies, master
-
-from ..scaling import fused
-from ..patching.cast import CASTABLE, LOW, cast, needs_cast
+from .. import inflight, session
 from ..errors import ConfigError, StateError
 from ..options import Options
-from ..properties import parse_dtype
+from ..patching.cast import CASTABLE, LOW, cast, needs_cast
+from . import compat, copies, master
 
 Tensor = torch.Tensor
 f32 = torch.float32
@@ -206,13 +201,11 @@ class _PatternFilter:
         return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(cls, p) for p in self.patterns)
 
 
-def validate(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], props: Any, options: Options,
-             running: Any) -> None:
-    """Check models, optimizers and model options before anything changes;
-    ``running`` is the session they would join, or None for a new one.
+def validate(models: Sequence[nn.Module], props: Any, options: Options) -> None:
+    """Check the models and the model options before anything changes.
 
     Raises:
-        ConfigError: naming the model, optimizer or option and the fix.
+        ConfigError: naming the model or option and the fix.
     """
     compat.check_models(models, props)
     casts_half = props.cast_model_type in LOW
@@ -223,12 +216,7 @@ def validate(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optim
                 f"does not cast the model; use it with O2, O3 or O5"
             )
         _filter(options.keep_fp32, models)
-    fused.validate(props, options, list(optimizers))
 
-    amp = running
-    for i, opt in enumerate(optimizers):
-        if amp is not None and id(opt) in amp.optimizer_handles and amp.optimizer_handles[id(opt)].patched:
-            raise ConfigError(f"optimizer {i} ({type(opt).__name__}) is already attached; pass each optimizer to initialize once")
     for i, m in enumerate(models):
         scripted = next((n for n, sub in m.named_modules() if isinstance(sub, torch.jit.ScriptModule)), None)
         if casts_half and scripted is not None:
@@ -245,46 +233,6 @@ def validate(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optim
                 f"Call amp_patch.initialize on the plain model first, then wrap it: "
                 f"model, opt = amp_patch.initialize(model, opt, ...); model = DDP(model)"
             )
-
-    if props.master_weights and props.cast_model_type is None and not any(
-        p.dtype in LOW for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()
-    ):
-        raise ConfigError(
-            "master_weights=True with cast_model_type=False needs a model that already holds FP16/BF16 "
-            "parameters; these models are all FP32, so FP32 master weights would copy them for nothing. "
-            "Let the opt level cast the model (drop cast_model_type=False), or drop master_weights."
-        )
-    if props.master_weights:
-        known = {id(p) for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()}
-        owner: Dict[int, int] = {}
-        for i, opt in enumerate(optimizers):
-            for g, group in enumerate(opt.param_groups):
-                for j, p in enumerate(group["params"]):
-                    where = f"optimizer {i} ({type(opt).__name__}) param_groups[{g}]['params'][{j}] (shape {list(p.shape)})"
-                    if id(p) not in known:
-                        raise ConfigError(
-                            f"{where} is not a parameter of the model(s) passed to initialize. Under "
-                            f"opt_level={props.opt_level!r} each model parameter in the optimizer is replaced by an "
-                            f"FP32 master, so pass every model whose parameters the optimizer holds (or build the "
-                            f"optimizer from model.parameters())."
-                        )
-                    if id(p) in owner and owner[id(p)] != i:
-                        raise ConfigError(
-                            f"{where} is also held by optimizer {owner[id(p)]}; with FP32 master weights each "
-                            f"parameter can belong to one optimizer only"
-                        )
-                    owner[id(p)] = i
-    elif props.cast_model_type is None:
-        for i, opt in enumerate(optimizers):
-            for g, group in enumerate(opt.param_groups):
-                for j, p in enumerate(group["params"]):
-                    if p.dtype in LOW:
-                        raise ConfigError(
-                            f"optimizer {i} ({type(opt).__name__}) param_groups[{g}]['params'][{j}] is {p.dtype}: "
-                            f"the optimizer would update half-precision weights directly (FP16 master weights), "
-                            f"and small updates would round away. Pass the FP32 model (do not call .half() before "
-                            f"initialize), or use opt_level='O2' for FP32 master weights."
-                        )
 
 
 # ------------------------------------------------------------------ conversion
@@ -467,65 +415,15 @@ class _Unconvert:
             mod.flatten_parameters()
 
 
-class _StrayStepGuard:
-    """Refuses the step of an optimizer that ``initialize`` never saw, over the
-    half parameters of a model it converted (O2/O5), naming the fix.
+def attach(amp: Any, models: Sequence[nn.Module], options: Options) -> Dict[int, tuple]:
+    """Convert ``models`` with this call's ``options`` (``keep_fp32``, ``save_dtype``).
 
-    Such an optimizer (built after ``initialize(model)``, or a second one over
-    the same model) would update the half weights directly, with no FP32
-    masters and no loss scaling. A global optimizer step pre-hook, removed
-    when called as the undo callback; an attached optimizer returns at once.
-    """
-
-    def __init__(self, amp: Any):
-        self.amp = amp
-        self.seen: Tuple[int, frozenset] = (-1, frozenset())
-        self.handle = register_optimizer_step_pre_hook(self.check)
-
-    def _halves(self) -> frozenset:
-        models = self.amp.models
-        if self.seen[0] != len(models):  # a later initialize may have added models
-            ids = frozenset(id(p) for m in models for p in m.parameters() if p.dtype in LOW)
-            self.seen = (len(models), ids)
-        return self.seen[1]
-
-    def check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self.amp.optimizer_handles or session.current() is not self.amp:
-            return
-        halves = self._halves()
-        if any(id(p) in halves for g in optimizer.param_groups for p in g["params"]):
-            level = self.amp.props.opt_level
-            raise StateError(
-                f"{type(optimizer).__name__}.step() would update half-precision weights of a model "
-                f"amp_patch converted at {level}, but this optimizer was not given to initialize, so it "
-                f"has no FP32 master weights and no loss scaling. Pass it to initialize "
-                f"(model, optimizer = amp_patch.initialize(model, optimizer, opt_level={level!r})), or "
-                f"attach it where it is created: optimizer = amp_patch.adopt_optimizer(optimizer)."
-            )
-
-    def __call__(self) -> None:
-        self.handle.remove()
-
-
-class _Release:
-    """Undo callback: an optimizer's masters back to the model's parameters."""
-
-    def __init__(self, masters: master.MasterWeights):
-        self.masters = masters
-
-    def __call__(self) -> None:
-        self.masters.restore()
-
-
-def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], options: Options) -> None:
-    """Convert ``models`` and put FP32 masters into ``optimizers``, with this
-    call's ``options`` (``keep_fp32``, ``save_dtype``, ``fused_update``).
+    Returns ``{id(parameter): (FP32 data, FP32 grad, dtype)}`` from before the
+    cast, on which the masters are built (``optimizers.attach``).
 
     Each change pushes its undo onto ``amp.undo`` as it is made, so a failure
-    half way, or ``deinitialize``, restores the models and optimizers.
+    half way, or ``deinitialize``, restores the models.
     """
-    from .. import scaling
-
     props = amp.props
     originals: Dict[int, tuple] = {}
     dtype = props.cast_model_type
@@ -549,15 +447,4 @@ def attach(amp: Any, models: Sequence[nn.Module], optimizers: Sequence[torch.opt
     if dtype is None and props.cast_model_outputs is not None:
         for m in models:
             cast_outputs(amp, m)
-    if props.master_weights and models and not any(isinstance(cb, _StrayStepGuard) for cb in amp.undo):
-        amp.undo.push(_StrayStepGuard(amp))
-    for opt in optimizers:
-        handle = scaling.handle(amp, opt)
-        if props.master_weights and handle.masters is None:
-            mw = master.MasterWeights(opt)
-            amp.undo.push(_Release(mw))
-            handle.masters = mw
-            for group in opt.param_groups:
-                mw.adopt(group, originals)
-            if options.fused_update:
-                handle.fused = fused.FusedUpdate(mw)
+    return originals

@@ -1,0 +1,146 @@
+"""The optimizer side of a half-precision model: the checks an optimizer must
+pass, its FP32 master weights (and their fused update), and the guard that
+refuses an optimizer ``initialize`` never saw over half weights."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .. import session
+from ..errors import ConfigError, StateError
+from ..options import Options
+from ..patching.cast import LOW
+from . import fused, master
+
+
+def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer], props: Any,
+             options: Options, running: Any) -> None:
+    """Check ``optimizers`` (with the ``models`` they come with) before anything
+    changes; ``running`` is the session they would join, or None for a new one.
+
+    Raises:
+        ConfigError: naming the optimizer and the fix.
+    """
+    fused.validate(props, options, list(optimizers))
+    amp = running
+    for i, opt in enumerate(optimizers):
+        if amp is not None and id(opt) in amp.optimizer_handles and amp.optimizer_handles[id(opt)].patched:
+            raise ConfigError(f"optimizer {i} ({type(opt).__name__}) is already attached; pass each optimizer to initialize once")
+    if props.master_weights and props.cast_model_type is None and not any(
+        p.dtype in LOW for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()
+    ):
+        raise ConfigError(
+            "master_weights=True with cast_model_type=False needs a model that already holds FP16/BF16 "
+            "parameters; these models are all FP32, so FP32 master weights would copy them for nothing. "
+            "Let the opt level cast the model (drop cast_model_type=False), or drop master_weights."
+        )
+    if props.master_weights:
+        known = {id(p) for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()}
+        owner: Dict[int, int] = {}
+        for i, opt in enumerate(optimizers):
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    where = f"optimizer {i} ({type(opt).__name__}) param_groups[{g}]['params'][{j}] (shape {list(p.shape)})"
+                    if id(p) not in known:
+                        raise ConfigError(
+                            f"{where} is not a parameter of the model(s) passed to initialize. Under "
+                            f"opt_level={props.opt_level!r} each model parameter in the optimizer is replaced by an "
+                            f"FP32 master, so pass every model whose parameters the optimizer holds (or build the "
+                            f"optimizer from model.parameters())."
+                        )
+                    if id(p) in owner and owner[id(p)] != i:
+                        raise ConfigError(
+                            f"{where} is also held by optimizer {owner[id(p)]}; with FP32 master weights each "
+                            f"parameter can belong to one optimizer only"
+                        )
+                    owner[id(p)] = i
+    elif props.cast_model_type is None:
+        for i, opt in enumerate(optimizers):
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if p.dtype in LOW:
+                        raise ConfigError(
+                            f"optimizer {i} ({type(opt).__name__}) param_groups[{g}]['params'][{j}] is {p.dtype}: "
+                            f"the optimizer would update half-precision weights directly (FP16 master weights), "
+                            f"and small updates would round away. Pass the FP32 model (do not call .half() before "
+                            f"initialize), or use opt_level='O2' for FP32 master weights."
+                        )
+
+
+class _StrayStepGuard:
+    """Refuses the step of an optimizer that ``initialize`` never saw, over the
+    half parameters of a model it converted (O2/O5), naming the fix.
+
+    Such an optimizer (built after ``initialize(model)``, or a second one over
+    the same model) would update the half weights directly, with no FP32
+    masters and no loss scaling. A global optimizer step pre-hook, removed
+    when called as the undo callback; an attached optimizer returns at once.
+    """
+
+    def __init__(self, amp: Any):
+        self.amp = amp
+        self.seen: Tuple[int, frozenset] = (-1, frozenset())
+        self.handle = register_optimizer_step_pre_hook(self.check)
+
+    def _halves(self) -> frozenset:
+        models = self.amp.models
+        if self.seen[0] != len(models):  # a later initialize may have added models
+            ids = frozenset(id(p) for m in models for p in m.parameters() if p.dtype in LOW)
+            self.seen = (len(models), ids)
+        return self.seen[1]
+
+    def check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self.amp.optimizer_handles or session.current() is not self.amp:
+            return
+        halves = self._halves()
+        if any(id(p) in halves for g in optimizer.param_groups for p in g["params"]):
+            level = self.amp.props.opt_level
+            raise StateError(
+                f"{type(optimizer).__name__}.step() would update half-precision weights of a model "
+                f"amp_patch converted at {level}, but this optimizer was not given to initialize, so it "
+                f"has no FP32 master weights and no loss scaling. Pass it to initialize "
+                f"(model, optimizer = amp_patch.initialize(model, optimizer, opt_level={level!r})), or "
+                f"attach it where it is created: optimizer = amp_patch.adopt_optimizer(optimizer)."
+            )
+
+    def __call__(self) -> None:
+        self.handle.remove()
+
+
+class _Release:
+    """Undo callback: an optimizer's masters back to the model's parameters."""
+
+    def __init__(self, masters: master.MasterWeights):
+        self.masters = masters
+
+    def __call__(self) -> None:
+        self.masters.restore()
+
+
+#: what ``attach`` built for one optimizer: its masters and their fused update, if any
+Built = Tuple[master.MasterWeights, Optional[fused.FusedUpdate]]
+
+
+def attach(amp: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+           originals: Dict[int, tuple], options: Options) -> Dict[int, Built]:
+    """Put FP32 masters into ``optimizers`` (O2/O5), built on ``originals``
+    (``model.attach``), and guard the converted ``models`` against optimizers
+    nobody attached. Returns ``{id(optimizer): (masters, fused update)}``.
+
+    Each change pushes its undo onto ``amp.undo`` as it is made.
+    """
+    props = amp.props
+    if props.master_weights and models and not any(isinstance(cb, _StrayStepGuard) for cb in amp.undo):
+        amp.undo.push(_StrayStepGuard(amp))
+    built: Dict[int, Built] = {}
+    if not props.master_weights:
+        return built
+    for opt in optimizers:
+        mw = master.MasterWeights(opt)
+        amp.undo.push(_Release(mw))
+        for group in opt.param_groups:
+            mw.adopt(group, originals)
+        built[id(opt)] = (mw, fused.FusedUpdate(mw) if options.fused_update else None)
+    return built

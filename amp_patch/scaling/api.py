@@ -1,0 +1,180 @@
+"""The public loss-scaling API: ``scale_loss``, ``unscale_``, ``master_params``."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List
+
+import torch
+
+from .. import session
+from ..errors import ConfigError, StateError
+from ..precision import master
+from ..options import Options
+from . import patches
+from .scaler import LossScaler
+from .state import Handle, after_backward, before_backward, run_of, transfer
+
+Tensor = torch.Tensor
+
+def validate_options(props: Any, options: Options) -> None:
+    """Check the loss-scaler options against the opt level's loss scale before anything changes.
+
+    Raises:
+        ConfigError: (a ``ValueError``) naming the option, e.g.
+            ``growth_factor=0.5 must be > 1``.
+    """
+    try:
+        LossScaler(props.loss_scale, **options.scaler_kwargs())
+    except ValueError as e:
+        raise ConfigError(f"initialize: {e}") from None
+
+
+
+def current(what: str) -> Any:
+    amp = session.current()
+    if amp is None:
+        raise StateError(f"amp_patch.{what} needs amp_patch.initialize(model, optimizer, opt_level=...) first")
+    return amp
+
+
+def _handles(amp: Any, optimizers: Any, what: str) -> List[Handle]:
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    out = []
+    for i, opt in enumerate(opts):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"amp_patch.{what}: optimizers[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer")
+        h = amp.optimizer_handles.get(id(opt))
+        if h is None or h.optimizer is not opt or not h.patched:
+            raise StateError(
+                f"amp_patch.{what}: this {type(opt).__name__} was not passed to initialize. Pass it there "
+                f"(initialize(model, [opt1, opt2], ...)) or attach it with amp_patch.adopt_optimizer(opt)."
+            )
+        out.append(h)
+    return out
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss: Tensor,
+    optimizers: Any,
+    loss_id: int = 0,
+    model: Any = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> Iterator[Tensor]:
+    """Scale a loss for backward; apex.amp's ``scale_loss``.
+
+    Yields ``loss.float() * scale``. After the block the gradients of
+    ``optimizers``' parameters are unscaled (into the FP32 masters under O2)
+    and checked for inf/NaN before they are used, and the next
+    ``optimizer.step()`` of each runs or is skipped. The work is deferred to
+    the first moment true gradients are needed (the step, ``unscale_``,
+    ``master_params``, torch's clip functions), so accumulating several
+    backward passes costs one unscale and one check per step; an overflow in
+    any of them skips the step. ``delay_unscale`` and ``delay_overflow_check``
+    are accepted for apex.amp compatibility; deferral makes them unnecessary.
+
+    Args:
+        loss: the loss tensor.
+        optimizers: the optimizer, or a list of them, this loss feeds.
+        loss_id: which loss scaler to use, ``0 <= loss_id < num_losses``.
+        model: ignored (apex.amp compatibility).
+        delay_unscale: ignored (apex.amp compatibility).
+        delay_overflow_check: ignored (apex.amp compatibility).
+
+    Raises:
+        StateError: before ``initialize``, or for an optimizer it did not attach.
+        ConfigError: ``loss_id`` out of range.
+
+    Example::
+
+        model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O2")
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            with amp_patch.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            torch.nn.utils.clip_grad_norm_(amp_patch.master_params(optimizer), 1.0)
+            optimizer.step()
+    """
+    amp = current("scale_loss")
+    run = run_of(amp)
+    n = len(run.scalers)
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
+        raise ConfigError(f"scale_loss: loss_id={loss_id!r} must be an integer in [0, {n}); initialize(num_losses=...) sets how many")
+    if not isinstance(loss, Tensor):
+        raise ConfigError(f"scale_loss: the loss must be a tensor (the output of your loss function), got {type(loss).__name__} {loss!r}")
+    handles = _handles(amp, optimizers, "scale_loss")
+    scaler = run.scalers[loss_id]
+    if not amp.flight.enter("scale_loss"):
+        raise StateError("amp_patch.scale_loss: amp_patch was deinitialized by another thread while this call waited")
+    try:
+        hooks: List[Any] = []
+        if scaler.active:
+            hooks = patches.guard_foreign(run, loss, run.handles, loss_id, scaler.scale)[1]
+        before_backward(run, handles, loss_id)
+        try:
+            yield loss.float() * scaler.scale if scaler.active else loss.float()
+        finally:
+            for hook in hooks:
+                hook.remove()
+            after_backward(run, handles, loss_id)
+    finally:
+        amp.flight.leave()
+
+
+def unscale_(optimizer: torch.optim.Optimizer) -> None:
+    """Unscale ``optimizer``'s gradients now, e.g. to clip true gradients.
+
+    Idempotent within a step: a second call, or the step itself, does not
+    unscale again. Under O2 the gradients land in the FP32 masters, which
+    ``master_params`` yields.
+
+    Args:
+        optimizer: an optimizer passed to ``initialize`` (or ``adopt_optimizer``).
+
+    Raises:
+        StateError: before ``initialize``, or for an optimizer it did not attach.
+
+    Example::
+
+        loss.backward()
+        amp_patch.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(amp_patch.master_params(optimizer), 1.0)
+        optimizer.step()
+    """
+    amp = current("unscale_")
+    (h,) = _handles(amp, optimizer, "unscale_")
+    transfer(h.run, h)
+
+
+def master_params(optimizer: Any) -> Iterator[Tensor]:
+    """Yield the FP32 parameters ``optimizer`` steps: the masters under O2, its
+    own parameters otherwise; apex.amp's ``master_params``.
+
+    Iterating first unscales the optimizer's pending gradients, so clipping
+    them clips true gradients at every opt level.
+
+    Args:
+        optimizer: an optimizer (or a list of them) passed to ``initialize``.
+
+    Raises:
+        StateError: before ``initialize``, or for an optimizer it did not attach.
+
+    Example::
+
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(amp_patch.master_params(optimizer), max_norm=1.0)
+        optimizer.step()
+    """
+    amp = current("master_params")
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    return _unscaled_params(_handles(amp, opts, "master_params"))
+
+
+def _unscaled_params(handles: List[Handle]) -> Iterator[Tensor]:
+    # A generator, so the unscale happens when the parameters are read.
+    for h in handles:
+        transfer(h.run, h)
+    for h in handles:
+        yield from master.params_of(h.optimizer)

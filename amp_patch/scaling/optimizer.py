@@ -1,0 +1,222 @@
+"""The attached optimizers' patched methods: ``step`` (skipped on overflow,
+masters refreshed after), ``zero_grad`` and ``add_param_group``, put on each
+optimizer as instance attributes and taken off at the end of the session."""
+from __future__ import annotations
+
+import types
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from .. import session
+from ..errors import StateError
+from .patches import ensure_patches
+from .state import Handle, Run, handle, run_of, transfer, transfer_all, verdict
+
+Tensor = torch.Tensor
+_NOTSET = object()
+
+def _lookup(optimizer: Any) -> Optional[Handle]:
+    amp = session.current()
+    if amp is None:
+        return None
+    h = amp.optimizer_handles.get(id(optimizer))
+    return h if h is not None and h.optimizer is optimizer and h.patched else None
+
+
+def _step(self, *args: Any, **kwargs: Any) -> Any:
+    h = _lookup(self)
+    if h is None:  # a stale reference after deinitialize
+        return type(self).step(self, *args, **kwargs)
+    flight = h.run.amp.flight
+    if not flight.enter("step"):  # the session ended while this call waited for it
+        return self.step(*args, **kwargs)
+    try:
+        return _run_step(self, h, args, kwargs)
+    finally:
+        flight.leave()
+
+
+def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict) -> Any:
+    # The LR scheduler's "step() before optimizer.step()" check reads this flag;
+    # a skipped step was still a call of step(), as with GradScaler.
+    self._opt_called = True
+    run = h.run
+    closure = args[0] if args else kwargs.get("closure")
+    if closure is not None:
+        if any(s.active for s in run.scalers):
+            raise StateError(
+                f"{type(self).__name__}.step(closure) is not supported while loss scaling is active: the "
+                f"closure's backward would run inside the step, after the gradients were checked. Call "
+                f"loss = closure() before optimizer.step(), or use BF16 (no loss scaling)."
+            )
+        args, kwargs = (_AbsorbAfter(closure, run),) + tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
+    mw = h.masters
+    if h.fused is not None and closure is None and _fused_step(run, h):
+        return None
+    verdict(run)
+    skip = bool(h.verdict)
+    if not skip:
+        # A skip verdict stands until the next backward: a second step() with
+        # no backward in between must not apply the overflowed gradients.
+        h.verdict = None
+    if skip:
+        h.skipped += 1
+    else:
+        out = h.originals["step"](*args, **kwargs)
+        if mw is not None:
+            mw.refresh()
+        h.steps += 1
+    if mw is not None:
+        mw.consumed()
+    return None if skip else out
+
+
+def _fused_step(run: Run, h: Handle) -> bool:
+    """Take this step with the fused update if its gradients are all still in the half model.
+
+    Returns False, with nothing done, when the plain step must run instead.
+    Under a scaled loss the half gradients are checked where they are; the
+    verdict is taken as for the plain step, and the update unscales as it reads.
+    """
+    l = h.pending
+    mw = h.masters
+    if l is None or h.fed or h.stash is not None or mw.carried:
+        return False
+    plan = h.fused.plan()
+    if plan is None:
+        return False
+    scaler = run.scalers[l]
+    # the scale this backward ran with (the verdict may change it); 1.0 when not scaled
+    inv = run.inv_scale(l, plan.device, scaler.scale if scaler.active else 1.0)
+    if scaler.active:
+        flag = h.fused.non_finite(plan)
+        if flag is None:  # the check did not compile: the plain step checks instead
+            return False
+        run.found_flag(l, plan.device).add_(flag)
+        run.checked.add(l)
+        h.fed.add(l)
+        h.pending = None
+        run.dirty = True
+        verdict(run)
+        if h.verdict:  # as the plain step: the verdict stands until the next backward
+            h.fused.drop_grads(plan)
+            h.skipped += 1
+            mw.consumed()
+            h.unscaled = False
+            return True
+        h.verdict = None
+    h.pending = None
+    if not h.fused.run(plan, inv):  # the compile failed: the plain step, from the half gradients
+        mw.absorb(None)
+        grads = [m.grad for m in mw.masters if m.grad is not None]
+        grads += [p.grad for p in h.own_params() if p.grad is not None]
+        if scaler.active and grads:
+            torch._foreach_mul_(grads, inv)
+        h.originals["step"]()
+        mw.refresh()
+    h.steps += 1
+    mw.consumed()
+    h.unscaled = False
+    return True
+
+
+class _AbsorbAfter:
+    """A closure that moves its gradients into the masters before the optimizer reads them."""
+
+    def __init__(self, closure: Any, run: Run):
+        self.closure, self.run = closure, run
+
+    def __call__(self) -> Any:
+        loss = self.closure()
+        transfer_all(self.run)
+        return loss
+
+
+def _zero_grad(self, set_to_none: bool = True) -> None:
+    h = _lookup(self)
+    if h is None:
+        return type(self).zero_grad(self, set_to_none)
+    h.originals["zero_grad"](set_to_none)
+    if h.masters is not None:
+        h.masters.zero_model_grads(set_to_none)
+    # the gradients are gone, and with them what was decided about them
+    h.pending = None
+    h.unscaled = False
+    h.stash = None
+    h.verdict = None
+    h.fed.clear()
+
+
+def _add_param_group(self, param_group: dict) -> None:
+    h = _lookup(self)
+    if h is None or h.masters is None:
+        return type(self).add_param_group(self, param_group)
+    h.originals["add_param_group"](h.masters.add_group(param_group))
+    h.run.refresh_plain()
+
+
+for _f, _name in ((_step, "step"), (_zero_grad, "zero_grad"), (_add_param_group, "add_param_group")):
+    _f.__name__ = _name
+    _f.__qualname__ = f"amp_patch.{_name}"
+# The LR scheduler wraps optimizer.step once to track calls; ours sets the flag it
+# reads, so it must neither wrap again nor warn that step was overridden.
+_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+
+_PATCHES = {"step": _step, "zero_grad": _zero_grad, "add_param_group": _add_param_group}
+
+
+def _patch(h: Handle) -> None:
+    opt = h.optimizer
+    names = ["step", "zero_grad"] + (["add_param_group"] if h.masters is not None else [])
+    for name in names:
+        h.saved[name] = vars(opt).get(name, _NOTSET)
+        h.originals[name] = getattr(opt, name)
+        setattr(opt, name, types.MethodType(_PATCHES[name], opt))
+    h.patched = True
+
+
+class _RestoreMethods:
+    """Undo callback for one optimizer: pending gradients unscaled, methods restored."""
+
+    def __init__(self, amp: Any, h: Handle):
+        self.amp, self.h = amp, h
+
+    def __call__(self) -> None:
+        h = self.h
+        try:
+            transfer(h.run, h)
+        finally:
+            opt = h.optimizer
+            for name, old in h.saved.items():
+                if getattr(vars(opt).get(name), "__func__", None) is not _PATCHES[name]:
+                    continue  # someone replaced our method since; theirs calls ours, which calls through
+                if old is _NOTSET:
+                    delattr(opt, name)
+                else:
+                    setattr(opt, name, old)
+            h.patched = False
+            if h in h.run.handles:
+                h.run.handles.remove(h)
+
+
+
+def attach(amp: Any, optimizers: Sequence[torch.optim.Optimizer], built: Optional[Dict[int, Any]] = None) -> None:
+    """Give each loss a scaler (first call) and attach ``optimizers``, with the
+    masters ``precision.optimizers.attach`` built for them (``built``).
+
+    Patches each optimizer's ``step``, ``zero_grad`` (and ``add_param_group``
+    when it has masters) as instance attributes; the undo restores them.
+    """
+    run = run_of(amp)
+    for opt in optimizers:
+        h = handle(amp, opt)
+        if h.patched:
+            continue
+        if built and id(opt) in built:
+            h.masters, h.fused = built[id(opt)]
+        _patch(h)
+        run.handles.append(h)
+        amp.undo.push(_RestoreMethods(amp, h))
+    ensure_patches(amp)

@@ -1,0 +1,149 @@
+"""The torch functions loss scaling patches: ``Tensor.backward`` (a plain
+``loss.backward()`` scaled for the attached optimizers) and torch's clip
+functions (true gradients, the FP32 masters under O2)."""
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import torch
+import wrapt
+
+from .. import diagnostics, session
+from ..patching.wrappers import OpWrapper, switch
+from ..precision import master
+from . import leaves
+from .state import Handle, Run, after_backward, before_backward, run_of, transfer_all
+
+Tensor = torch.Tensor
+
+def _clip_targets() -> List[Tuple[Any, str]]:
+    import torch.nn.utils as nnu
+    import torch.nn.utils.clip_grad as cg
+
+    names = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "clip_grads_with_norm_")
+    return [(owner, n) for owner in (nnu, cg) for n in names if hasattr(owner, n)]
+
+
+def _make_clip_patch(amp: Any):
+    def clip(wrapped, instance, args, kwargs):
+        run = amp.run
+        if run is None or session.current() is not amp:
+            return wrapped(*args, **kwargs)
+        transfer_all(run)
+        if args:
+            args = (_to_masters(amp, args[0]),) + tuple(args[1:])
+        elif "parameters" in kwargs:
+            kwargs = dict(kwargs, parameters=_to_masters(amp, kwargs["parameters"]))
+        return wrapped(*args, **kwargs)
+
+    return lambda original: OpWrapper(original, clip)
+
+
+def _to_masters(amp: Any, parameters: Any) -> Any:
+    """Parameters with each half model parameter replaced by its FP32 master."""
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    out = []
+    for p in parameters:
+        m = master.lookup(amp, p) if isinstance(p, Tensor) else None
+        out.append(p if m is None else m)
+    return out
+
+
+
+def ensure_patches(amp: Any) -> None:
+    """Patch the torch functions this run needs now and does not have yet.
+
+    ``Tensor.backward`` when a plain ``loss.backward()`` has work to do (loss
+    scaling, FP32 masters to feed) or casts are on (its cast cache is emptied
+    around every backward); ``clip_grad_norm_`` and its kin when gradients may
+    be scaled or live in masters. A run with neither (O0; O3 at a static
+    scale of 1) patches nothing on torch. Called again whenever that may
+    change: an optimizer attached, a loss scale loaded.
+    """
+    run = run_of(amp)
+    run.refresh_plain()
+    items = []
+    if run.plain or amp.props.patch_torch_functions:
+        items.append((torch.Tensor, "backward", make_backward_patch(amp)))
+    if any(s.active for s in run.scalers) or amp.props.master_weights:
+        items += [(owner, name, _make_clip_patch(amp)) for owner, name in _clip_targets()]
+    amp.patch(items)  # skips what is patched already
+
+
+def guard_foreign(run: Run, loss: Tensor, handles: Sequence[Handle], loss_id: int, scale: float) -> Tuple[bool, List[Any]]:
+    """Before a backward of ``loss`` scaled by ``scale``: hook every leaf it
+    reaches that no attached optimizer owns so its gradient arrives unscaled
+    (``leaves.py``), an overflow there counting against ``loss_id``. Returns
+    whether the backward reaches an owned leaf, and the hook handles to remove
+    after it. Warns once per run when such a leaf
+    is a parameter, whose optimizer then steps without overflow checks."""
+    reaches, foreign = leaves.split(loss, leaves.owned_ids(handles))
+    if not foreign or not reaches:
+        return reaches, []
+    params = [t for t in foreign if isinstance(t, torch.nn.Parameter)]
+    if params and not run.warned_foreign and run.notices.verbosity:
+        run.warned_foreign = True
+        diagnostics.warn_user(
+            f"loss.backward() reached {len(params)} parameter(s) that no optimizer given to amp_patch owns "
+            f"({leaves.describe(params)}). Their gradients are unscaled as they accumulate, so they hold "
+            f"true values, but their optimizer's step() is not checked for inf/NaN gradients and is never "
+            f"skipped. Pass that optimizer to initialize (initialize(models, [opt1, opt2], ...)) or attach "
+            f"it with amp_patch.adopt_optimizer(optimizer)."
+        )
+    return reaches, leaves.unscale_on_arrival(foreign, run, loss_id, scale)
+
+
+def make_backward_patch(amp: Any):
+    """The ``Tensor.backward`` patch: loss scaling for plain loops, and an empty cast cache.
+
+    The cache is emptied before the backward too: the forward is over, and
+    the half weight copies it holds would otherwise live until the end of
+    the backward instead of being freed as autograd releases them. A forward
+    recomputed inside the backward (activation checkpointing) casts again, to
+    the same values.
+    """
+    run = run_of(amp)
+    sw = switch
+
+    flight = amp.flight
+
+    def make(original):
+        def backward(wrapped, instance, args, kwargs):
+            if not flight.enter("backward"):  # the session ended while this call waited for it
+                return wrapped(*args, **kwargs)
+            amp.cache.clear()
+            try:
+                if (
+                    not run.plain
+                    or sw.off
+                    or flight.inside("scale_loss")
+                    or (args and args[0] is not None)
+                    or kwargs.get("gradient") is not None
+                    or instance.numel() != 1
+                ):
+                    return wrapped(*args, **kwargs)
+                handles = list(run.handles)
+                scaler = run.scalers[0]
+                hooks: List[Any] = []
+                if scaler.active:
+                    reaches, hooks = guard_foreign(run, instance, handles, 0, scaler.scale)
+                    if not reaches:
+                        # nothing amp_patch unscales: the backward of a model no
+                        # attached optimizer owns runs as written, unscaled
+                        return wrapped(*args, **kwargs)
+                before_backward(run, handles, 0)
+                loss = instance.float() * scaler.scale if scaler.active else instance
+                try:
+                    return original(loss, *args, **kwargs)
+                finally:
+                    for hook in hooks:
+                        hook.remove()
+                    after_backward(run, handles, 0)
+            finally:
+                amp.cache.clear()
+                flight.leave()
+
+        return wrapt.FunctionWrapper(original, backward)
+
+    return make

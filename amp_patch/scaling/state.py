@@ -1,0 +1,347 @@
+"""The per-optimizer state machine of loss scaling, and one run's scalers.
+
+Each optimizer amp_patch attached has a ``Handle`` whose ``stage`` says where
+its gradients are (``Stage``): after a backward of loss ``l`` they are
+``SCALED`` (by loss ``l``'s scale, and under O2 still in the half model);
+``transfer`` makes them ``UNSCALED`` (into the FP32 masters under O2),
+checking them for inf/NaN on the device; the step asks for a verdict, one host
+sync per step for every loss together, and leaves the handle ``READY``.
+Unscaling waits for the first moment true gradients are needed, so gradient
+accumulation unscales once.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import diagnostics
+from ..errors import OverflowLoopError, StateError
+from ..options import Options
+from ..precision import master
+from .scaler import LossScaler
+
+log = logging.getLogger("amp_patch")
+Tensor = torch.Tensor
+
+class Handle:
+    """What amp_patch keeps for one optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, run: "Run"):
+        self.optimizer = optimizer
+        self.run = run
+        self.masters: Optional[master.MasterWeights] = None
+        self.fused: Any = None  # fused.FusedUpdate under fused_update=True
+        self.patched = False
+        self.saved: Dict[str, Any] = {}  # replaced instance attributes: name -> own value or _NOTSET
+        self.originals: Dict[str, Any] = {}  # name -> the callable we call through
+        self.pending: Optional[int] = None  # loss whose scaled gradients await transfer
+        self.unscaled = False  # own parameters' gradients hold true values from a transfer
+        self.stash: Optional[List[Tuple[Tensor, Tensor]]] = None  # (param, true grad) parked during a scaled backward
+        self.fed: set = set()  # losses that fed this optimizer since the last verdict
+        self.verdict: Optional[bool] = None  # skip decision waiting for this optimizer's step
+        self.steps = 0
+        self.skipped = 0
+
+    def own_params(self) -> List[Tensor]:
+        """Parameters the optimizer steps directly (all of them, unless masters stand in)."""
+        mw = self.masters
+        if mw is None or not len(mw):
+            return [p for g in self.optimizer.param_groups for p in g["params"]]
+        return [p for g in self.optimizer.param_groups for p in g["params"] if not mw.is_master(p)]
+
+
+class _Notices:
+    """Overflow messages: rank 0 only, the first at once, then one per ``interval`` seconds."""
+
+    interval = 10.0
+
+    def __init__(self, verbosity: int):
+        self.verbosity = verbosity
+        self.last: Optional[float] = None
+        self.suppressed = 0
+
+    def overflow(self, text: str) -> None:
+        if not self.verbosity or not is_rank0():
+            return
+        now = time.monotonic()
+        if self.last is not None and now - self.last < self.interval:
+            self.suppressed += 1
+            return
+        if self.suppressed:
+            text += f" ({self.suppressed} more overflow messages suppressed)"
+        self.last, self.suppressed = now, 0
+        log.warning(text)
+
+
+class Run:
+    """The loss-scaling state of one ``initialize``: scalers, handles, this step's flags."""
+
+    def __init__(self, amp: Any):
+        self.amp = amp
+        opts: Options = amp.options
+        self.scalers: List[LossScaler] = [
+            LossScaler(amp.props.loss_scale, **opts.scaler_kwargs()) for _ in range(opts.num_losses)
+        ]
+        self.max_skips = opts.max_consecutive_skips
+        self.handles: List[Handle] = []  # patched, in attach order: what a plain backward feeds
+        self.found: Dict[Tuple[int, torch.device], Tensor] = {}  # (loss, device) -> inf/NaN flag this step
+        self.checked: set = set()  # losses checked since the last verdict
+        self.inv: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
+        self.dirty = False  # something awaits a transfer or a verdict
+        self.plain = False  # the patched backward has work to do
+        self.notices = _Notices(opts.verbosity)
+        self.warned_foreign = False  # said once that a backward reached an unattached optimizer's parameters
+
+    def refresh_plain(self) -> None:
+        self.plain = bool(self.handles) and (
+            self.scalers[0].active or any(h.masters is not None and len(h.masters) for h in self.handles)
+        )
+
+    def unscaler(self, loss_id: int):
+        """``unscale(tensors)`` for loss ``loss_id``, or None when it is not scaled."""
+        scaler = self.scalers[loss_id]
+        if not scaler.active:
+            return None
+        self.checked.add(loss_id)
+        return _Unscale(self, loss_id, scaler.scale)
+
+    def found_flag(self, loss_id: int, device: torch.device) -> Tensor:
+        """This step's inf/NaN flag of loss ``loss_id`` on ``device`` (> 0: found), kept on the device."""
+        found = self.found.get((loss_id, device))
+        if found is None:
+            found = self.found[(loss_id, device)] = torch.zeros((), dtype=torch.float32, device=device)
+        return found
+
+    def inv_scale(self, loss_id: int, device: torch.device, scale: float) -> Tensor:
+        """``1 / scale`` as a 0-d FP32 tensor on ``device``, made once per scale."""
+        cached = self.inv.get((loss_id, device))
+        if cached is None or cached[0] != scale:
+            cached = self.inv[(loss_id, device)] = (scale, torch.full((), 1.0 / scale, dtype=torch.float32, device=device))
+        return cached[1]
+
+
+class _Unscale:
+    def __init__(self, run: Run, loss_id: int, scale: float):
+        self.run, self.loss_id, self.scale = run, loss_id, scale
+
+    def __call__(self, tensors: List[Tensor]) -> None:
+        by_device: Dict[torch.device, List[Tensor]] = {}
+        for t in tensors:
+            by_device.setdefault(t.device, []).append(t)
+        run, l = self.run, self.loss_id
+        for dev, ts in by_device.items():
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, run.found_flag(l, dev), run.inv_scale(l, dev, self.scale))
+
+
+def run_of(amp: Any) -> Run:
+    """The session's loss-scaling state, made on first use."""
+    run = amp.run
+    if run is None:
+        run = amp.run = Run(amp)
+        amp.scalers[:] = run.scalers
+    return run
+
+
+class _DropHandle:
+    """Undo of ``handle``: the optimizer's record out of the session."""
+
+    def __init__(self, amp: Any, optimizer: torch.optim.Optimizer):
+        self.amp, self.key = amp, id(optimizer)
+
+    def __call__(self) -> None:
+        self.amp.optimizer_handles.pop(self.key, None)
+
+
+def handle(amp: Any, optimizer: torch.optim.Optimizer) -> Handle:
+    """The optimizer's ``Handle`` in ``amp``, created on first use (not patched yet)."""
+    h = amp.optimizer_handles.get(id(optimizer))
+    if h is None or h.optimizer is not optimizer:
+        h = amp.optimizer_handles[id(optimizer)] = Handle(optimizer, run_of(amp))
+        amp.undo.push(_DropHandle(amp, optimizer))
+    return h
+
+
+def home_device(amp: Any) -> torch.device:
+    if amp.device_type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(amp.device_type)
+
+
+def distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_rank0() -> bool:
+    return not distributed() or torch.distributed.get_rank() == 0
+
+
+# ------------------------------------------------------------------ the state machine
+
+
+def transfer(run: Run, h: Handle) -> None:
+    """Make ``h``'s pending gradients true gradients where its optimizer reads them.
+
+    Device work only: unscale in place (into the masters under O2) and fold
+    the inf/NaN check into this step's flag for the loss. Idempotent.
+    """
+    l = h.pending
+    if l is None:
+        return
+    h.pending = None
+    h.fed.add(l)
+    unscale = run.unscaler(l)
+    if h.masters is not None and len(h.masters):
+        h.masters.absorb(unscale)
+    if unscale is not None:
+        grads = [p.grad for p in h.own_params() if p.grad is not None]
+        if grads:
+            unscale(grads)
+    if h.stash:
+        with torch.no_grad():
+            back = [(p, g) for p, g in h.stash if p.grad is not None]
+            if back:
+                torch._foreach_add_([p.grad for p, _ in back], [g for _, g in back])
+            for p, g in h.stash:
+                if p.grad is None:
+                    p.grad = g
+        h.stash = None
+    h.unscaled = True
+
+
+def transfer_all(run: Run) -> None:
+    for h in run.handles:
+        if h.pending is not None:
+            transfer(run, h)
+
+
+def _stash(h: Handle) -> None:
+    """Park the true gradients of ``h``'s own parameters while a scaled backward adds new ones."""
+    parked = []
+    for p in h.own_params():
+        if p.grad is not None:
+            parked.append((p, p.grad))
+            p.grad = None
+    h.stash = parked or None
+    h.unscaled = False
+
+
+def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
+    """Get gradients ready for a backward of ``loss_id`` into ``handles``.
+
+    Gradients of the same loss keep accumulating where autograd puts them
+    (scaled; unscaled once at the step), except that a single process moves
+    O2's half gradients into the FP32 masters first, so accumulation happens in
+    FP32. Under ``torch.distributed`` they stay in the model, where DDP's
+    ``no_sync()`` accumulation expects the whole sum at the last backward.
+    Gradients of another scale are unscaled before they could mix.
+    """
+    scaled = run.scalers[loss_id].active
+    fp32_sum = not distributed()
+    for h in handles:
+        if h.pending is not None:
+            to_masters = fp32_sum and h.masters is not None and len(h.masters)
+            if h.pending == loss_id and not to_masters:
+                continue
+            transfer(run, h)
+        if h.unscaled and scaled:
+            _stash(h)
+
+
+def after_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
+    if not run.scalers[loss_id].active and not any(h.masters is not None and len(h.masters) for h in handles):
+        return
+    for h in handles:
+        h.pending = loss_id
+    run.dirty = True
+
+
+def verdict(run: Run) -> None:
+    """Transfer everything pending and decide, with one host sync, which steps to skip."""
+    if not run.dirty:
+        return
+    transfer_all(run)
+    overflow: Dict[int, bool] = {}
+    stuck: List[int] = []
+    if run.checked:
+        scalers = run.scalers
+        dev = next(iter(run.found))[1] if run.found else home_device(run.amp)
+        per_loss = [torch.zeros((), device=dev) for _ in scalers]
+        for (l, d), f in run.found.items():
+            per_loss[l] = per_loss[l] + f.to(dev)
+        flags = torch.stack(per_loss)
+        if distributed():
+            # every rank reaches this point once per step, so the collective pairs up
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        flags = flags.tolist()  # the one host sync of the step
+        for l in sorted(run.checked):
+            overflow[l] = flags[l] > 0
+        run.found.clear()
+        run.checked.clear()
+        for l, bad in overflow.items():
+            s = scalers[l]
+            before = s.scale
+            s.update(bad)
+            if bad:
+                _on_overflow(run, l, s, before)
+                if run.max_skips is not None and s.skips_at_min >= run.max_skips:
+                    stuck.append(l)
+    for h in run.handles:
+        if h.fed:
+            h.verdict = any(overflow.get(l, False) for l in h.fed)
+            h.fed.clear()
+    run.dirty = False
+    if stuck:
+        l = stuck[0]
+        s = run.scalers[l]
+        raise OverflowLoopError(
+            f"loss {l}: the last {s.skips_at_min} steps all produced inf/NaN gradients with the loss scale "
+            f"already at its minimum ({s.scale:g}), so every step was skipped. Some op overflows even "
+            f"unscaled: find it with initialize(..., find_overflow=True), move it to FP32 with an op-list "
+            f"override (lists={{'torch': {{'float': ['op_name']}}}}), train in BF16 "
+            f"(half_dtype=torch.bfloat16), or lower the learning rate. "
+            f"(max_consecutive_skips={run.max_skips} sets this limit.)"
+        )
+
+
+def settle(amp: Any) -> None:
+    """Before the session ends: make every gradient a scaled backward left a
+    true gradient, or drop it.
+
+    The ``optimizer.step()`` after ``deinitialize`` is torch's own and cannot be
+    skipped, so gradients that overflowed are set to None (a parameter with no
+    gradient is not stepped) and one warning says so: the step then changes
+    nothing, as amp_patch's skipped step would have.
+    """
+    run = amp.run
+    if run is None:
+        return
+    try:
+        verdict(run)
+    except OverflowLoopError:
+        pass  # the verdicts are set; the session is ending anyway
+    dropped = [h for h in run.handles if h.verdict]
+    for h in dropped:
+        for p in h.own_params():
+            p.grad = None
+        if h.masters is not None:
+            for m in h.masters.masters:
+                m.grad = None
+        h.verdict = None
+    if dropped and run.notices.verbosity:
+        names = ", ".join(type(h.optimizer).__name__ for h in dropped)
+        diagnostics.warn_user(
+            f"amp_patch.deinitialize(): the last backward produced inf/NaN gradients for {names}, whose step "
+            f"amp_patch would have skipped. Those gradients were dropped (set to None), so an optimizer.step() "
+            f"after deinitialize changes nothing; run the next backward before stepping."
+        )
+
+
+def _on_overflow(run: Run, loss_id: int, scaler: LossScaler, before: float) -> None:
+    change = f"loss scale {before:g} -> {scaler.scale:g}" if scaler.scale != before else f"loss scale stays {scaler.scale:g}"
+    run.notices.overflow(f"amp_patch: inf/NaN gradients from loss {loss_id}; skipping the step ({change})")
+    diagnostics.on_skipped_step(run.amp, loss_id, scaler)
