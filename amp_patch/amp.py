@@ -22,8 +22,8 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
-from . import session
 from . import frontend as _frontend
+from . import scaling, session
 from .errors import ConfigError
 from .frontend import (
     disable_casts,
@@ -61,13 +61,6 @@ _enabled: Optional[bool] = None
 def _passthrough() -> bool:
     return _enabled is False and session.current() is None
 
-
-def _top():
-    # The loss-scaling functions live on the package; looked up at call time
-    # so this module imports while the package is still importing.
-    import amp_patch
-
-    return amp_patch
 
 
 def initialize(
@@ -178,7 +171,7 @@ def scale_loss(
     """
     if _passthrough():
         return contextlib.nullcontext(loss)
-    return _top().scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale)
+    return scaling.scale_loss(loss, optimizers, loss_id=loss_id, delay_unscale=delay_unscale)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -194,7 +187,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         # Before initialize, or with enabled=False: Apex yields the
         # optimizer's own parameters.
         return (p for group in optimizer.param_groups for p in group["params"])
-    return _top().master_params(optimizer)
+    return scaling.master_params(optimizer)
 
 
 def state_dict(destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -213,7 +206,7 @@ def state_dict(destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         destination = collections.OrderedDict()
     if _passthrough():
         return destination
-    destination.update(_top().state_dict())
+    destination.update(scaling.state_dict())
     return destination
 
 
@@ -231,7 +224,7 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
     """
     if _passthrough():
         return
-    _top().load_state_dict(state_dict, strict=False)
+    scaling.load_state_dict(state_dict, strict=False)
 
 
 def init(*args: Any, **kwargs: Any) -> Any:

@@ -154,8 +154,8 @@ def test_demo_through_python_dash_m():
 def test_demo_explains_a_cpu_without_bf16_instructions(native, capsys, monkeypatch):
     """Where BF16 is emulated the demo says, once, why O1/O2 are slower, instead of
     one warning per mode; where it is native it says nothing of the kind."""
-    monkeypatch.setattr(amp_patch.diagnostics, "cpu_has_native_bf16", lambda: native)
-    monkeypatch.setattr(amp_patch.diagnostics, "_warned", set())  # warnings said earlier in the session
+    monkeypatch.setattr(amp_patch.diagnostics.setup_checks, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(amp_patch.diagnostics.notices, "_warned", set())  # warnings said earlier in the session
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert demo.main(SMALL + ["--device", "cpu"]) == 0

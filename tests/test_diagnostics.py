@@ -23,7 +23,7 @@ f16, bf16 = torch.float16, torch.bfloat16
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each warning is given once per process; every test starts afresh."""
-    monkeypatch.setattr(diagnostics, "_warned", set())
+    monkeypatch.setattr(diagnostics.notices, "_warned", set())
 
 
 def _amp_warnings(record):
@@ -59,7 +59,7 @@ def test_fp16_on_cpu_warns_once_and_points_at_the_callers_line():
 
 
 def test_bf16_on_a_cpu_without_native_bf16_warns(monkeypatch):
-    monkeypatch.setattr(diagnostics, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(diagnostics.setup_checks, "cpu_has_native_bf16", lambda: False)
     try:
         msgs, _ = _init_and_collect(nn.Linear(4, 4), opt_level="O1")
     finally:
@@ -70,7 +70,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns(monkeypatch):
 
 
 def test_bf16_on_a_cpu_with_native_bf16_is_quiet(monkeypatch):
-    monkeypatch.setattr(diagnostics, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(diagnostics.setup_checks, "cpu_has_native_bf16", lambda: True)
     try:
         msgs, _ = _init_and_collect(nn.Linear(4, 4), opt_level="O1")
     finally:
@@ -80,7 +80,7 @@ def test_bf16_on_a_cpu_with_native_bf16_is_quiet(monkeypatch):
 
 def test_o0_never_warns_about_speed():
     props = resolve("O0", "cpu", f16)
-    assert diagnostics.speed_warnings(props, "cpu", native_bf16=False) == []
+    assert diagnostics.setup_checks.speed_warnings(props, "cpu", native_bf16=False) == []
 
 
 def test_verbosity_0_is_silent():
@@ -94,20 +94,20 @@ def test_verbosity_0_is_silent():
 def test_fp16_over_bf16_weights_on_a_bf16_gpu():
     props = resolve("O1", "cuda", f16)
     bf16_model = nn.Linear(4, 4).to(bf16)
-    msgs = diagnostics.bf16_weights_warnings(props, "cuda", True, [nn.Linear(2, 2), bf16_model])
+    msgs = diagnostics.setup_checks.bf16_weights_warnings(props, "cuda", True, [nn.Linear(2, 2), bf16_model])
     assert msgs == [
         "amp_patch: half_dtype is float16, but model 1 (Linear) has bfloat16 weights and this GPU supports BF16; "
         "casting them to FP16 loses range (FP16 overflows above 65504) for no gain. "
         "Use half_dtype=torch.bfloat16 (or opt_level='O4' / 'O5')."
     ]
-    assert diagnostics.bf16_weights_warnings(props, "cuda", False, [bf16_model]) == []  # no BF16 on this GPU
-    assert diagnostics.bf16_weights_warnings(resolve("O1", "cuda", bf16), "cuda", True, [bf16_model]) == []
+    assert diagnostics.setup_checks.bf16_weights_warnings(props, "cuda", False, [bf16_model]) == []  # no BF16 on this GPU
+    assert diagnostics.setup_checks.bf16_weights_warnings(resolve("O1", "cuda", bf16), "cuda", True, [bf16_model]) == []
 
 
 def test_a_model_on_several_devices():
     model = nn.Linear(4, 4)
     model.register_buffer("scale", torch.ones(1, device="meta"))
-    msgs = diagnostics.device_warnings(resolve("O1", "cpu", None), [nn.Linear(2, 2), model])
+    msgs = diagnostics.setup_checks.device_warnings(resolve("O1", "cpu", None), [nn.Linear(2, 2), model])
     assert len(msgs) == 1
     assert msgs[0].startswith("amp_patch: model 1 (Linear) has tensors on several devices (cpu, meta)")
 
@@ -177,7 +177,7 @@ def test_functions_captured_before_initialize_are_named(tmp_path, monkeypatch):
         msgs, _ = _init_and_collect(nn.Linear(4, 4), opt_level="O1", half_dtype=bf16)
         amp = session.current()
         assert not amp.patcher.is_patched(F, "dropout")
-        found = diagnostics.captured_functions(amp)
+        found = diagnostics.setup_checks.captured_functions(amp)
     finally:
         amp_patch.deinitialize()
         sys.modules.pop("captured_mod", None)
@@ -501,13 +501,13 @@ def test_a_step_the_loss_scaler_skips_is_explained():
 def test_wrapt_without_its_c_extension_warns_where_functions_are_patched(monkeypatch):
     monkeypatch.delenv("WRAPT_DISABLE_EXTENSIONS", raising=False)
     o1, o2 = resolve("O1", "cpu", None), resolve("O2", "cpu", None)
-    assert diagnostics.wrapt_has_c_extension()  # this environment's wrapt has it
-    assert diagnostics.wrapper_warnings(o1, c_extension=True) == []
-    assert diagnostics.wrapper_warnings(o2, c_extension=False) == []  # O2 patches no torch function
-    (msg,) = diagnostics.wrapper_warnings(o1, c_extension=False)
+    assert diagnostics.setup_checks.wrapt_has_c_extension()  # this environment's wrapt has it
+    assert diagnostics.setup_checks.wrapper_warnings(o1, c_extension=True) == []
+    assert diagnostics.setup_checks.wrapper_warnings(o2, c_extension=False) == []  # O2 patches no torch function
+    (msg,) = diagnostics.setup_checks.wrapper_warnings(o1, c_extension=False)
     assert msg.startswith("amp_patch: wrapt's C extension is not in use (wrapt was installed without it)")
     assert msg.endswith("(pip install --force-reinstall wrapt).")
-    monkeypatch.setattr(diagnostics, "wrapt_has_c_extension", lambda: False)
+    monkeypatch.setattr(diagnostics.setup_checks, "wrapt_has_c_extension", lambda: False)
     try:
         msgs, _ = _init_and_collect(None, opt_level="O1", half_dtype=bf16)
     finally:

@@ -242,7 +242,7 @@ def test_find_overflow_diverts_every_call_to_the_python_wrappers(o4):
     finally:
         from amp_patch import diagnostics
 
-        diagnostics._watch.disarm()
+        diagnostics.overflow._watch.disarm()
     assert not wrappers.divert
 
 

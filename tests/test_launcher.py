@@ -311,8 +311,8 @@ def test_a_launched_run_gets_the_set_up_warnings_too(tmp_path, adopted, monkeypa
     this CPU), once, for the function levels and for the model levels alike."""
     from amp_patch import diagnostics
 
-    monkeypatch.setattr(diagnostics, "_warned", set())
-    monkeypatch.setattr(diagnostics, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(diagnostics.notices, "_warned", set())
+    monkeypatch.setattr(diagnostics.setup_checks, "cpu_has_native_bf16", lambda: False)
     script = write(tmp_path, "train.py", TRAIN.format(own="").replace("later = torch.optim.Adam(", "later = ("))  # one optimizer
     with pytest.warns(amp_patch.AmpWarning, match=rf"{level} runs in bfloat16 on a CPU without native BF16") as rec:
         launcher.run(str(script), [], Settings.resolve(opt_level=level))

@@ -651,3 +651,30 @@ def test_found_inf_is_all_reduced_once_per_step_under_torch_distributed(gloo, mo
             opt.step()
         assert amp_patch.counters()["skipped"] == 1
     assert [c.tolist() for c in calls] == [[0.0], [1.0], [0.0]]
+
+
+def test_each_optimizer_moves_through_the_documented_stages_and_an_illegal_move_is_refused():
+    from amp_patch.scaling.state import Stage
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, "O1", half_dtype=torch.float16, loss_scale=128.0, verbosity=0)
+    try:
+        h = amp_patch.session.current().optimizer_handles[id(opt)]
+        assert h.stage is Stage.READY
+        model(torch.randn(3, 4)).float().sum().backward()
+        assert h.stage is Stage.SCALED and h.loss == 0
+        scaled = model.weight.grad.clone()
+        amp_patch.unscale_(opt)
+        assert h.stage is Stage.UNSCALED
+        torch.testing.assert_close(model.weight.grad, scaled / 128.0, rtol=0, atol=0)
+        opt.step()
+        assert h.stage is Stage.UNSCALED  # true gradients until zero_grad or the next backward
+        opt.zero_grad()
+        assert h.stage is Stage.READY and h.loss is None
+        with pytest.raises(StateError, match=r"SGD's gradients cannot go from ready to unscaled; this is a bug"):
+            h.move(Stage.UNSCALED)
+        assert h.stage is Stage.READY
+    finally:
+        amp_patch.deinitialize()

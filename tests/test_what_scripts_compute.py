@@ -444,7 +444,7 @@ def test_hugging_face_save_pretrained_of_an_o2_model_reloads_in_fp32(tmp_path):
 def test_launcher_warnings_point_at_the_scripts_line(tmp_path, monkeypatch):
     from amp_patch import diagnostics
 
-    monkeypatch.setattr(diagnostics, "_warned", set())
+    monkeypatch.setattr(diagnostics.notices, "_warned", set())
     script = write(tmp_path, "train.py", """
         import torch
         model = torch.nn.Linear(4, 2)
@@ -460,7 +460,7 @@ def test_launcher_warnings_point_at_the_scripts_line(tmp_path, monkeypatch):
 def test_a_level_the_script_replaces_gives_no_warning(tmp_path, monkeypatch):
     from amp_patch import diagnostics
 
-    monkeypatch.setattr(diagnostics, "_warned", set())
+    monkeypatch.setattr(diagnostics.notices, "_warned", set())
     script = write(tmp_path, "train.py", """
         import torch
         from apex import amp

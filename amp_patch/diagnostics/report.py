@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import session
 from ..errors import StateError
+from .overflow import history_entry, last_overflow
 from .stats import dtype_name
 
 POLICY_ORDER = ("half", "float", "promote", "sequence_promote")
@@ -30,16 +31,6 @@ def _current(what: str) -> Any:
     return amp
 
 
-def history_entry(item: Any) -> Optional[Tuple[int, float, bool]]:
-    """One history entry as ``(step, scale, skipped)``, or None if it is not one."""
-    try:
-        if isinstance(item, (tuple, list)):
-            step, scale, skipped = item[0], item[1], item[2]
-        else:
-            step, scale, skipped = item.step, item.scale, item.skipped
-        return int(step), float(scale), bool(skipped)
-    except (AttributeError, IndexError, TypeError, ValueError):
-        return None
 
 
 def read_history(scaler: Any) -> Optional[History]:
@@ -256,8 +247,6 @@ def report() -> Report:
         print(amp_patch.report())
         calls = amp_patch.report().to_dict()["ops"]["torch.nn.functional.linear"]["calls"]
     """
-    from .. import diagnostics
-
     amp = _current("report")
     ledger = amp.ledger.to_dict() if amp.ledger is not None else {}
     props = amp.props
@@ -268,7 +257,7 @@ def report() -> Report:
         collecting=amp.ledger is not None,
         ledger=ledger,
         loss_scale=[_scale_summary(*s) for s in _scalers(amp)],
-        overflow=diagnostics.last_overflow(amp),
+        overflow=last_overflow(amp),
     )
 
 

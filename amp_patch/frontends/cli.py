@@ -21,7 +21,9 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from ..errors import AmpError
+from ..oplists import view
 from ..properties import parse_dtype
+from . import launcher
 
 PROG = "amp-patch"
 HALF_CHOICES = "float16|bfloat16"
@@ -87,8 +89,6 @@ def _split_run_args(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> T
 
 
 def _cmd_run(tokens: Sequence[str]) -> int:
-    from . import launcher
-
     parser = _run_parser()
     options, rest = _split_run_args(parser, tokens)
     ns = parser.parse_args(options)
@@ -153,8 +153,6 @@ def _main_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_lists(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..oplists import view
-
     try:
         half = None if ns.half_dtype is None else parse_dtype(ns.half_dtype, "--half-dtype")
         text = view.render(ns.lists, half, ns.device, ns.format)
@@ -169,8 +167,6 @@ def _cmd_lists(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _cmd_check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..oplists import view
-
     missing = [f for f in ns.files if not os.path.exists(f)]
     if missing:
         parser.error(f"no such file: {', '.join(missing)}")

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_patch
 
-from .. import diagnostics
+from ..diagnostics import setup_checks
 from ..diagnostics.stats import dtype_name
 
 MODES = ("FP32", "O1", "O2")
@@ -366,7 +366,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
          torch.randn(args.batch_size, args.size, generator=g).to(device))
         for _ in range(args.batches)
     ]
-    emulated = device.type == "cpu" and not diagnostics.cpu_has_native_bf16()
+    emulated = device.type == "cpu" and not setup_checks.cpu_has_native_bf16()
     if emulated:
         print(f"Note: {NO_NATIVE_BF16} Expect O1 and O2 to be slower than FP32 in this run.", flush=True)
     with warnings.catch_warnings():

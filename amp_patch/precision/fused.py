@@ -46,6 +46,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..errors import ConfigError
+
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
 f32 = torch.float32
@@ -77,8 +79,6 @@ def validate(props: Any, options: Any, optimizers: List[torch.optim.Optimizer]) 
     Raises:
         ConfigError: naming what the fused update needs and the fix.
     """
-    from ..errors import ConfigError
-
     if not options.fused_update:
         return
     if not props.master_weights:

@@ -11,7 +11,7 @@ import torch
 from .. import session
 from ..errors import StateError
 from .patches import ensure_patches
-from .state import Handle, Run, handle, run_of, transfer, transfer_all, verdict
+from .state import Handle, Run, Stage, handle, run_of, transfer, transfer_all, verdict
 
 Tensor = torch.Tensor
 _NOTSET = object()
@@ -96,17 +96,16 @@ def _fused_step(run: Run, h: Handle) -> bool:
         run.found_flag(l, plan.device).add_(flag)
         run.checked.add(l)
         h.fed.add(l)
-        h.pending = None
+        h.move(Stage.READY)  # the fused update reads the half gradients itself
         run.dirty = True
         verdict(run)
         if h.verdict:  # as the plain step: the verdict stands until the next backward
             h.fused.drop_grads(plan)
             h.skipped += 1
             mw.consumed()
-            h.unscaled = False
             return True
         h.verdict = None
-    h.pending = None
+    h.move(Stage.READY)
     if not h.fused.run(plan, inv):  # the compile failed: the plain step, from the half gradients
         mw.absorb(None)
         grads = [m.grad for m in mw.masters if m.grad is not None]
@@ -117,7 +116,6 @@ def _fused_step(run: Run, h: Handle) -> bool:
         mw.refresh()
     h.steps += 1
     mw.consumed()
-    h.unscaled = False
     return True
 
 
@@ -141,8 +139,7 @@ def _zero_grad(self, set_to_none: bool = True) -> None:
     if h.masters is not None:
         h.masters.zero_model_grads(set_to_none)
     # the gradients are gone, and with them what was decided about them
-    h.pending = None
-    h.unscaled = False
+    h.move(Stage.READY)
     h.stash = None
     h.verdict = None
     h.fed.clear()

@@ -27,6 +27,22 @@ from .scaler import LossScaler
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
 
+class Stage(enum.Enum):
+    """Where an attached optimizer's gradients are, as torch's ``OptState`` is for ``GradScaler``."""
+
+    READY = "ready"  # none amp_patch knows of: before the first backward, after zero_grad or a fused step
+    SCALED = "scaled"  # a scaled backward left them (``Handle.loss`` says whose scale); not usable yet
+    UNSCALED = "unscaled"  # true gradients (in the FP32 masters under O2), checked for inf/NaN
+
+
+#: the moves each stage allows; anything else is a bug in amp_patch, refused
+MOVES = {
+    Stage.READY: frozenset({Stage.READY, Stage.SCALED}),
+    Stage.SCALED: frozenset({Stage.SCALED, Stage.UNSCALED, Stage.READY}),
+    Stage.UNSCALED: frozenset({Stage.READY, Stage.SCALED}),
+}
+
+
 class Handle:
     """What amp_patch keeps for one optimizer."""
 
@@ -38,13 +54,28 @@ class Handle:
         self.patched = False
         self.saved: Dict[str, Any] = {}  # replaced instance attributes: name -> own value or _NOTSET
         self.originals: Dict[str, Any] = {}  # name -> the callable we call through
-        self.pending: Optional[int] = None  # loss whose scaled gradients await transfer
-        self.unscaled = False  # own parameters' gradients hold true values from a transfer
+        self.stage = Stage.READY
+        self.loss: Optional[int] = None  # the loss whose scale the SCALED gradients carry
         self.stash: Optional[List[Tuple[Tensor, Tensor]]] = None  # (param, true grad) parked during a scaled backward
         self.fed: set = set()  # losses that fed this optimizer since the last verdict
         self.verdict: Optional[bool] = None  # skip decision waiting for this optimizer's step
         self.steps = 0
         self.skipped = 0
+
+    def move(self, stage: Stage, loss: Optional[int] = None) -> None:
+        """Go to ``stage`` (``loss``: the loss of a scaled backward); StateError for a move ``MOVES`` lacks."""
+        if stage not in MOVES[self.stage]:
+            raise StateError(
+                f"amp_patch: {type(self.optimizer).__name__}'s gradients cannot go from {self.stage.value} to "
+                f"{stage.value}; this is a bug in amp_patch, please report it with the training loop"
+            )
+        self.stage = stage
+        self.loss = loss if stage is Stage.SCALED else None
+
+    @property
+    def pending(self) -> Optional[int]:
+        """The loss whose scaled gradients await ``transfer``, or None."""
+        return self.loss if self.stage is Stage.SCALED else None
 
     def own_params(self) -> List[Tensor]:
         """Parameters the optimizer steps directly (all of them, unless masters stand in)."""
@@ -192,7 +223,6 @@ def transfer(run: Run, h: Handle) -> None:
     l = h.pending
     if l is None:
         return
-    h.pending = None
     h.fed.add(l)
     unscale = run.unscaler(l)
     if h.masters is not None and len(h.masters):
@@ -210,7 +240,7 @@ def transfer(run: Run, h: Handle) -> None:
                 if p.grad is None:
                     p.grad = g
         h.stash = None
-    h.unscaled = True
+    h.move(Stage.UNSCALED)
 
 
 def transfer_all(run: Run) -> None:
@@ -227,7 +257,7 @@ def _stash(h: Handle) -> None:
             parked.append((p, p.grad))
             p.grad = None
     h.stash = parked or None
-    h.unscaled = False
+    h.move(Stage.READY)
 
 
 def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
@@ -248,7 +278,7 @@ def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
             if h.pending == loss_id and not to_masters:
                 continue
             transfer(run, h)
-        if h.unscaled and scaled:
+        if h.stage is Stage.UNSCALED and scaled:
             _stash(h)
 
 
@@ -256,7 +286,7 @@ def after_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
     if not run.scalers[loss_id].active and not any(h.masters is not None and len(h.masters) for h in handles):
         return
     for h in handles:
-        h.pending = loss_id
+        h.move(Stage.SCALED, loss_id)
     run.dirty = True
 
 
