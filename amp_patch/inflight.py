@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.compiler import is_compiling
 
-from .precision import copies
+from . import copies
 from .errors import StateError
 
 #: how long initialize/deinitialize wait for other threads' work in flight

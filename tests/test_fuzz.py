@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import amp_patch
 from amp_patch import ConfigError, ListError, StateError, oplists
 from amp_patch.oplists import NAMESPACES
-from amp_patch.patching.wrappers import POLICIES
+from amp_patch.oplists.schema import POLICIES
 
 # FP16 on the CPU is deliberate here; amp_patch's advice to use BF16 there is
 # not what these tests check.

@@ -29,7 +29,8 @@ from ..patching import modes
 
 from .. import session
 from ..patching.cast import needs_cast
-from ..patching.wrappers import is_inplace, switch
+from ..oplists.schema import is_inplace
+from ..patching.wrappers import switch
 
 f32 = torch.float32
 

@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import amp_patch
-
-from ..diagnostics import setup_checks
+from .. import frontend
+from ..diagnostics import AmpWarning, setup_checks
+from ..errors import ConfigError
 from ..diagnostics.stats import dtype_name
 
 MODES = ("FP32", "O1", "O2")
@@ -218,8 +218,8 @@ def run(mode: str, data: Sequence[Tuple[torch.Tensor, torch.Tensor]], args: argp
     loss_fn = nn.MSELoss()
     if mode != "FP32":
         try:
-            model, optimizer = amp_patch.initialize(model, optimizer, opt_level=mode)
-        except amp_patch.ConfigError as e:
+            model, optimizer = frontend.initialize(model, optimizer, opt_level=mode)
+        except ConfigError as e:
             return Result(mode, unavailable=str(e))
 
     def step(x, label):
@@ -246,7 +246,7 @@ def run(mode: str, data: Sequence[Tuple[torch.Tensor, torch.Tensor]], args: argp
         peak = _peak_memory(lambda: step(*data[0]), model, optimizer, data[0], device)
     finally:
         if mode != "FP32":
-            amp_patch.deinitialize()
+            frontend.deinitialize()
     return Result(mode, 1000.0 * elapsed / steps, final_loss, peak, layers)
 
 
@@ -371,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"Note: {NO_NATIVE_BF16} Expect O1 and O2 to be slower than FP32 in this run.", flush=True)
     with warnings.catch_warnings():
         if emulated:  # said once above, not once per mode
-            warnings.filterwarnings("ignore", message=".*without native BF16", category=amp_patch.AmpWarning)
+            warnings.filterwarnings("ignore", message=".*without native BF16", category=AmpWarning)
         results = [run(mode, data, args, device) for mode in modes]
     print()
     print(format_table(results))

@@ -38,7 +38,7 @@ import torch
 import yaml
 
 from ..errors import ListError
-from ..patching.wrappers import INPLACE_DUNDERS, POLICIES
+from .schema import INPLACE_DUNDERS, POLICIES
 
 log = logging.getLogger("amp_patch")
 

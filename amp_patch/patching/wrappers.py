@@ -49,24 +49,12 @@ import torch
 import wrapt
 
 from .. import frames
+from ..oplists.schema import is_inplace
 from .cast import CASTABLE, CONVERT, LOW, CastCache, cast, cast_args, needs_cast
 from ..errors import BannedOpError, CastError
 
 f32 = torch.float32
 Tensor = torch.Tensor
-
-POLICIES = ("half", "float", "promote", "sequence_promote", "banned")
-
-#: in-place operator dunders; ``name_`` methods are in-place by convention
-INPLACE_DUNDERS = frozenset(
-    "__i%s__" % op
-    for op in ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "matmul", "and", "or", "xor")
-)
-
-
-def is_inplace(name: str) -> bool:
-    return name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
-
 
 # Threads inside disable_casts(): {thread ident: depth}. A plain dict, empty in
 # the common case, so the hot path pays one truthiness test (a threading.local

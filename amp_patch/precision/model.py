@@ -24,11 +24,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .. import inflight, session
+from .. import copies, inflight, session
 from ..errors import ConfigError, StateError
 from ..options import Options
 from ..patching.cast import CASTABLE, LOW, cast, needs_cast
-from . import compat, copies, master
+from . import compat, master
 
 Tensor = torch.Tensor
 f32 = torch.float32
