@@ -53,7 +53,7 @@ static int wrapt_heap;              /* wrapt >= 2.2 builds heap types, which vis
                                        release the object's type themselves */
 static PyTypeObject *tensor_type;   /* torch.Tensor */
 static PyObject *disabled;          /* wrappers.disabled: {thread: depth} */
-static PyObject *divert;            /* wrappers.divert: non-empty = Python only */
+static PyObject *python_only;            /* wrappers.python_only: non-empty = Python only */
 static PyObject *grad_enabled;      /* torch._C.is_grad_enabled */
 static PyObject *one;               /* the int 1 */
 static PyObject *str_dtype, *str_on, *str_requires_grad, *str_is_leaf, *str_staticmethod, *str_version, *str_data_ptr;
@@ -291,7 +291,7 @@ fast_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwname
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
     int on, r;
 
-    if ((kwnames && PyTuple_GET_SIZE(kwnames)) || PyDict_GET_SIZE(disabled) || PyDict_GET_SIZE(divert))
+    if ((kwnames && PyTuple_GET_SIZE(kwnames)) || PyDict_GET_SIZE(disabled) || PyDict_GET_SIZE(python_only))
         return general(self, args, n, kwnames);
     on = attr_true(f->live, str_on);
     if (on < 0)
@@ -517,11 +517,11 @@ PyInit__fastpath(void)
         return NULL;
     tensor_type = (PyTypeObject *)import_attr("torch", "Tensor");
     disabled = import_attr("amp_patch.patching.wrappers", "disabled");
-    divert = import_attr("amp_patch.patching.wrappers", "divert");
+    python_only = import_attr("amp_patch.patching.wrappers", "python_only");
     function_wrapper = import_attr("wrapt", "FunctionWrapper");
-    if (!tensor_type || !disabled || !divert || !function_wrapper)
+    if (!tensor_type || !disabled || !python_only || !function_wrapper)
         goto fail;
-    if (!PyType_Check(tensor_type) || !PyDict_CheckExact(disabled) || !PyDict_CheckExact(divert) || !PyType_Check(function_wrapper)) {
+    if (!PyType_Check(tensor_type) || !PyDict_CheckExact(disabled) || !PyDict_CheckExact(python_only) || !PyType_Check(function_wrapper)) {
         PyErr_SetString(PyExc_ImportError, "unexpected torch.Tensor, wrapt or amp_patch.patching.wrappers");
         goto fail;
     }

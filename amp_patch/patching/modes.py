@@ -92,7 +92,7 @@ def add(observer: Observer) -> None:
     with _lock:
         if observer not in _observers:
             _observers = _observers + (observer,)
-        wrappers.divert["watch"] = True
+        wrappers.python_only["watch"] = True
     ensure_here()
 
 
@@ -103,7 +103,7 @@ def remove(observer: Observer) -> None:
         _observers = tuple(o for o in _observers if o != observer)
         last = not _observers
         if last:
-            wrappers.divert.pop("watch", None)
+            wrappers.python_only.pop("watch", None)
     mode = getattr(_local, "mode", None)
     if last and mode is not None:
         _local.mode = None

@@ -75,7 +75,7 @@ switch = _Switch()
 # Non-empty while every patched call must run the Python wrappers, never the C
 # fast path: overflow provenance finds the op being cast from their frames
 # (``_modes`` fills it while the watching mode has observers).
-divert: dict = {}
+python_only: dict = {}
 
 
 class Live:
@@ -584,7 +584,7 @@ def wrapt_has_c_extension() -> bool:
 
 # The C fast path (built from _fastpath.c when a compiler was there at install;
 # AMP_PATCH_PURE_PYTHON=1 turns it off, to compare or to debug). Imported last:
-# it reads ``disabled`` and ``divert`` from this module.
+# it reads ``disabled`` and ``python_only`` from this module.
 FAST_UNAVAILABLE = ""
 if os.environ.get("AMP_PATCH_PURE_PYTHON", "") not in ("", "0"):
     fast = None

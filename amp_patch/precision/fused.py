@@ -21,7 +21,7 @@ What it covers, and why the rest falls back to the plain step:
   float32 rounding, not bit for bit (the compiler orders the arithmetic its own
   way); a run is still bitwise reproducible, checkpoints and resume included.
 - A scaled loss (FP16) works too: one compiled inf/NaN check over the half
-  gradients (2 bytes per parameter read) feeds the step's verdict,
+  gradients (2 bytes per parameter read) feeds the step's skip decision,
   which is taken as for the plain step (all-reduced under
   ``torch.distributed``), and the update multiplies each gradient by the
   inverse scale as it reads it. A skipped step touches nothing.

@@ -5,7 +5,7 @@ optimizer's ``param_groups`` hold FP32 *masters* in their place, and the
 optimizer state moves with them. A master is built on the parameter's original
 FP32 storage, so creating it copies nothing and loses nothing to rounding.
 
-Gradients flow half model -> FP32 masters: ``absorb`` copies the model's half
+Gradients flow half model -> FP32 masters: ``collect_grads`` copies the model's half
 gradients into one persistent FP32 buffer per master (reused every step, so no
 allocation on the hot path), where the loss scaler unscales and checks them in
 place, and drops the half gradients so the next backward starts fresh (autograd
@@ -60,7 +60,7 @@ class MasterWeights:
         self.dtypes: List[torch.dtype] = []  # each half parameter's dtype before initialize
         self.index: Dict[int, int] = {}  # id(half or master) -> i
         #: the masters' gradients already hold part of this step's sum
-        self.carried = False
+        self.holds_partial_sum = False
         #: the optimizer's last zero_grad kept zeroed gradients (set_to_none=False)
         #: since the last step: a master its backward does not reach then steps on
         #: zeros, as an FP32 parameter would, instead of being skipped
@@ -133,7 +133,7 @@ class MasterWeights:
 
     # ------------------------------------------------------------ per step
 
-    def absorb(self, unscale: Optional[Callable[[List[Tensor]], None]]) -> None:
+    def collect_grads(self, unscale: Optional[Callable[[List[Tensor]], None]]) -> None:
         """Move the half gradients into the masters' FP32 gradients.
 
         ``unscale(tensors)`` unscales and checks FP32 tensors in place (the
@@ -144,7 +144,7 @@ class MasterWeights:
         if not idx:
             return
         incoming = [halfs[i].grad for i in idx]
-        if not self.carried:
+        if not self.holds_partial_sum:
             bufs = [self._buffer(i) for i in idx]
             torch._foreach_copy_(bufs, incoming)
             if unscale is not None:
@@ -167,7 +167,7 @@ class MasterWeights:
             torch._foreach_add_([masters[i].grad for i in idx], incoming)
         for i in idx:
             halfs[i].grad = None
-        self.carried = True
+        self.holds_partial_sum = True
 
     def _buffer(self, i: int) -> Tensor:
         buf = self.grads[i]
@@ -196,7 +196,7 @@ class MasterWeights:
         """A step (taken or skipped) used up the masters' gradients: the next
         backward starts a new sum even if only ``model.zero_grad()`` (which
         cannot reach the masters) ran, and an earlier zero_grad no longer counts."""
-        self.carried = False
+        self.holds_partial_sum = False
         self.zeroed = False
 
     def zero_model_grads(self, set_to_none: bool) -> None:
@@ -221,7 +221,7 @@ class MasterWeights:
                     g.zero_()
                     if self.masters[i].grad is None:
                         self.masters[i].grad = self._buffer(i).zero_()
-        self.carried = False
+        self.holds_partial_sum = False
         self.zeroed = not set_to_none
 
     def add_group(self, group: Dict[str, Any]) -> Dict[str, Any]:

@@ -5,14 +5,14 @@ Each optimizer gets a ``Handle``, an explicit per-optimizer state machine (as
 ``torch.amp.GradScaler`` keeps one): after a backward of loss ``l`` its
 gradients are *pending* (scaled by loss ``l``'s scale, and under O2 still in the
 half model); ``transfer`` makes them *unscaled* (into the FP32 masters under
-O2), checking them for inf/NaN on the device; the step asks for a *verdict*.
+O2), checking them for inf/NaN on the device; the step asks for a *skip decision*.
 
 Unscaling is deferred to the first moment true gradients are needed: the
 step, ``unscale_``, ``master_params``, torch's clip functions, or a backward of
 another loss into the same optimizer. So gradient accumulation unscales once,
 there is one fused inf/NaN check per step over all gradients
 (``torch._amp_foreach_non_finite_check_and_unscale_``), and the only host sync
-is the step's verdict, one per step for all losses together (all-reduced under
+is the step's skip decision, one per step for all losses together (all-reduced under
 ``torch.distributed``). A loss whose scaler is inactive (BF16, or a static
 scale of 1.0) is neither scaled, unscaled nor checked.
 

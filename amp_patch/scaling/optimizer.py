@@ -11,7 +11,7 @@ import torch
 from .. import session
 from ..errors import StateError
 from .patches import ensure_patches
-from .state import Handle, Run, Stage, handle, run_of, transfer, transfer_all, verdict
+from .state import Handle, Run, Stage, decide_skips, handle, run_of, transfer, transfer_all
 
 Tensor = torch.Tensor
 _NOTSET = object()
@@ -54,12 +54,12 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
     mw = h.masters
     if h.fused is not None and closure is None and _fused_step(run, h):
         return None
-    verdict(run)
-    skip = bool(h.verdict)
+    decide_skips(run)
+    skip = bool(h.skip)
     if not skip:
-        # A skip verdict stands until the next backward: a second step() with
+        # A skip skip decision stands until the next backward: a second step() with
         # no backward in between must not apply the overflowed gradients.
-        h.verdict = None
+        h.skip = None
     if skip:
         h.skipped += 1
     else:
@@ -77,17 +77,17 @@ def _fused_step(run: Run, h: Handle) -> bool:
 
     Returns False, with nothing done, when the plain step must run instead.
     Under a scaled loss the half gradients are checked where they are; the
-    verdict is taken as for the plain step, and the update unscales as it reads.
+    skip decision is taken as for the plain step, and the update unscales as it reads.
     """
     l = h.pending
     mw = h.masters
-    if l is None or h.fed or h.stash is not None or mw.carried:
+    if l is None or h.fed_by or h.parked is not None or mw.holds_partial_sum:
         return False
     plan = h.fused.plan()
     if plan is None:
         return False
     scaler = run.scalers[l]
-    # the scale this backward ran with (the verdict may change it); 1.0 when not scaled
+    # the scale this backward ran with (the skip decision may change it); 1.0 when not scaled
     inv = run.inv_scale(l, plan.device, scaler.scale if scaler.active else 1.0)
     if scaler.active:
         flag = h.fused.non_finite(plan)
@@ -95,19 +95,19 @@ def _fused_step(run: Run, h: Handle) -> bool:
             return False
         run.found_flag(l, plan.device).add_(flag)
         run.checked.add(l)
-        h.fed.add(l)
+        h.fed_by.add(l)
         h.move(Stage.READY)  # the fused update reads the half gradients itself
-        run.dirty = True
-        verdict(run)
-        if h.verdict:  # as the plain step: the verdict stands until the next backward
+        run.undecided = True
+        decide_skips(run)
+        if h.skip:  # as the plain step: the skip decision stands until the next backward
             h.fused.drop_grads(plan)
             h.skipped += 1
             mw.consumed()
             return True
-        h.verdict = None
+        h.skip = None
     h.move(Stage.READY)
     if not h.fused.run(plan, inv):  # the compile failed: the plain step, from the half gradients
-        mw.absorb(None)
+        mw.collect_grads(None)
         grads = [m.grad for m in mw.masters if m.grad is not None]
         grads += [p.grad for p in h.own_params() if p.grad is not None]
         if scaler.active and grads:
@@ -140,9 +140,9 @@ def _zero_grad(self, set_to_none: bool = True) -> None:
         h.masters.zero_model_grads(set_to_none)
     # the gradients are gone, and with them what was decided about them
     h.move(Stage.READY)
-    h.stash = None
-    h.verdict = None
-    h.fed.clear()
+    h.parked = None
+    h.skip = None
+    h.fed_by.clear()
 
 
 def _add_param_group(self, param_group: dict) -> None:

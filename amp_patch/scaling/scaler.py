@@ -2,8 +2,8 @@
 
 A ``LossScaler`` holds the scale as a Python float and changes it only in
 ``update(found_inf)``, which the step logic calls once per step with the
-overflow verdict for that loss. Keeping the scale on the host costs nothing:
-the verdict needs one host sync per step anyway (the skip decision), and a
+overflow skip decision for that loss. Keeping the scale on the host costs nothing:
+the skip decision needs one host sync per step anyway (the skip decision), and a
 float scale multiplies a loss without a device tensor.
 
 Dynamic scaling follows ``torch.amp.GradScaler`` and Apex: start at
@@ -130,7 +130,7 @@ class LossScaler:
         return not self.dynamic or self.scale <= self.min_scale
 
     def update(self, found_inf: bool) -> None:
-        """Record one step's verdict and move the scale accordingly.
+        """Record one step's skip decision and move the scale accordingly.
 
         Example::
 

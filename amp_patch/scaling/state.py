@@ -4,7 +4,7 @@ Each optimizer amp_patch attached has a ``Handle`` whose ``stage`` says where
 its gradients are (``Stage``): after a backward of loss ``l`` they are
 ``SCALED`` (by loss ``l``'s scale, and under O2 still in the half model);
 ``transfer`` makes them ``UNSCALED`` (into the FP32 masters under O2),
-checking them for inf/NaN on the device; the step asks for a verdict, one host
+checking them for inf/NaN on the device; the step asks for a skip decision, one host
 sync per step for every loss together, and leaves the handle ``READY``.
 Unscaling waits for the first moment true gradients are needed, so gradient
 accumulation unscales once.
@@ -56,9 +56,9 @@ class Handle:
         self.originals: Dict[str, Any] = {}  # name -> the callable we call through
         self.stage = Stage.READY
         self.loss: Optional[int] = None  # the loss whose scale the SCALED gradients carry
-        self.stash: Optional[List[Tuple[Tensor, Tensor]]] = None  # (param, true grad) parked during a scaled backward
-        self.fed: set = set()  # losses that fed this optimizer since the last verdict
-        self.verdict: Optional[bool] = None  # skip decision waiting for this optimizer's step
+        self.parked: Optional[List[Tuple[Tensor, Tensor]]] = None  # (param, true grad) parked during a scaled backward
+        self.fed_by: set = set()  # losses that fed this optimizer since the last skip decision
+        self.skip: Optional[bool] = None  # skip decision waiting for this optimizer's step
         self.steps = 0
         self.skipped = 0
 
@@ -120,9 +120,9 @@ class Run:
         self.max_skips = opts.max_consecutive_skips
         self.handles: List[Handle] = []  # patched, in attach order: what a plain backward feeds
         self.found: Dict[Tuple[int, torch.device], Tensor] = {}  # (loss, device) -> inf/NaN flag this step
-        self.checked: set = set()  # losses checked since the last verdict
+        self.checked: set = set()  # losses checked since the last skip decision
         self.inv: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
-        self.dirty = False  # something awaits a transfer or a verdict
+        self.undecided = False  # something awaits a transfer or a skip decision
         self.plain = False  # the patched backward has work to do
         self.notices = _Notices(opts.verbosity)
         self.warned_foreign = False  # said once that a backward reached an unattached optimizer's parameters
@@ -223,23 +223,23 @@ def transfer(run: Run, h: Handle) -> None:
     l = h.pending
     if l is None:
         return
-    h.fed.add(l)
+    h.fed_by.add(l)
     unscale = run.unscaler(l)
     if h.masters is not None and len(h.masters):
-        h.masters.absorb(unscale)
+        h.masters.collect_grads(unscale)
     if unscale is not None:
         grads = [p.grad for p in h.own_params() if p.grad is not None]
         if grads:
             unscale(grads)
-    if h.stash:
+    if h.parked:
         with torch.no_grad():
-            back = [(p, g) for p, g in h.stash if p.grad is not None]
+            back = [(p, g) for p, g in h.parked if p.grad is not None]
             if back:
                 torch._foreach_add_([p.grad for p, _ in back], [g for _, g in back])
-            for p, g in h.stash:
+            for p, g in h.parked:
                 if p.grad is None:
                     p.grad = g
-        h.stash = None
+        h.parked = None
     h.move(Stage.UNSCALED)
 
 
@@ -249,14 +249,14 @@ def transfer_all(run: Run) -> None:
             transfer(run, h)
 
 
-def _stash(h: Handle) -> None:
+def _park_true_grads(h: Handle) -> None:
     """Park the true gradients of ``h``'s own parameters while a scaled backward adds new ones."""
     parked = []
     for p in h.own_params():
         if p.grad is not None:
             parked.append((p, p.grad))
             p.grad = None
-    h.stash = parked or None
+    h.parked = parked or None
     h.move(Stage.READY)
 
 
@@ -279,7 +279,7 @@ def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
                 continue
             transfer(run, h)
         if h.stage is Stage.UNSCALED and scaled:
-            _stash(h)
+            _park_true_grads(h)
 
 
 def after_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
@@ -287,12 +287,12 @@ def after_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
         return
     for h in handles:
         h.move(Stage.SCALED, loss_id)
-    run.dirty = True
+    run.undecided = True
 
 
-def verdict(run: Run) -> None:
+def decide_skips(run: Run) -> None:
     """Transfer everything pending and decide, with one host sync, which steps to skip."""
-    if not run.dirty:
+    if not run.undecided:
         return
     transfer_all(run)
     overflow: Dict[int, bool] = {}
@@ -321,10 +321,10 @@ def verdict(run: Run) -> None:
                 if run.max_skips is not None and s.skips_at_min >= run.max_skips:
                     stuck.append(l)
     for h in run.handles:
-        if h.fed:
-            h.verdict = any(overflow.get(l, False) for l in h.fed)
-            h.fed.clear()
-    run.dirty = False
+        if h.fed_by:
+            h.skip = any(overflow.get(l, False) for l in h.fed_by)
+            h.fed_by.clear()
+    run.undecided = False
     if stuck:
         l = stuck[0]
         s = run.scalers[l]
@@ -351,17 +351,17 @@ def settle(amp: Any) -> None:
     if run is None:
         return
     try:
-        verdict(run)
+        decide_skips(run)
     except OverflowLoopError:
-        pass  # the verdicts are set; the session is ending anyway
-    dropped = [h for h in run.handles if h.verdict]
+        pass  # the skip decisions are set; the session is ending anyway
+    dropped = [h for h in run.handles if h.skip]
     for h in dropped:
         for p in h.own_params():
             p.grad = None
         if h.masters is not None:
             for m in h.masters.masters:
                 m.grad = None
-        h.verdict = None
+        h.skip = None
     if dropped and run.notices.verbosity:
         names = ", ".join(type(h.optimizer).__name__ for h in dropped)
         diagnostics.warn_user(
