@@ -11,41 +11,24 @@ from torch.utils.data._utils import fetch
 
 import amp_patch
 from amp_patch.oplists import NAMESPACES
-from helpers import ENV, fast_path
+from helpers import ENV, Snapshot, fast_path
 
 SNAPSHOT = {name: obj for name, obj in NAMESPACES.items()}
 # the DataLoader's fetchers, whose fetch amp_patch runs with casting off
 SNAPSHOT.update({f"{fetch.__name__}.{cls.__name__}": cls for cls in (fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher)})
 
 
-def _vars(obj):
-    return dict(vars(obj))
-
-
 @pytest.fixture(autouse=True)
 def torch_left_unpatched():
     """Fail any test that leaves an attribute of torch changed, naming it."""
-    before = {name: _vars(obj) for name, obj in SNAPSHOT.items()}
+    before = Snapshot(SNAPSHOT)
     yield
     leaked_state = amp_patch.is_initialized()
     if leaked_state:
         amp_patch.deinitialize()
-    problems = []
-    for name, obj in SNAPSHOT.items():
-        after = _vars(obj)
-        old = before[name]
-        for key in sorted(set(old) | set(after)):
-            # Python's own caches: the first warning raised from torch code, and
-            # the first pickling of a tensor, add these.
-            if key in ("__warningregistry__", "__slotnames__"):
-                continue
-            if old.get(key, _MISSING) is not after.get(key, _MISSING):
-                problems.append(f"{name}.{key}")
+    problems = before.changed()
     assert not leaked_state, "test left amp_patch initialized (call amp_patch.deinitialize())"
     assert not problems, f"torch left patched: {', '.join(problems[:20])}"
-
-
-_MISSING = object()
 
 
 @pytest.fixture

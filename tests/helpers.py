@@ -9,8 +9,11 @@ import textwrap
 import time
 
 import pytest
+import torch
+from torch import nn
 
 import amp_patch
+from amp_patch.oplists import NAMESPACES
 from amp_patch.frontends import launcher
 from amp_patch.patching import wrappers
 
@@ -58,3 +61,68 @@ def write(tmp_path, name, body):
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return path
+
+
+#: Python's own caches, which appear in a namespace on first use (the first
+#: warning raised from torch code, the first pickling of a tensor): not patches
+_CACHES = ("__warningregistry__", "__slotnames__")
+_MISSING = object()
+
+
+class Snapshot:
+    """What the namespaces amp_patch patches (``oplists.NAMESPACES``, or the
+    ``{name: object}`` given) hold now, to tell later what changed.
+
+    ``snapshot[name]`` is ``dict(vars(object))`` as it was.
+    """
+
+    def __init__(self, objects=None):
+        self.objects = dict(NAMESPACES if objects is None else objects)
+        self.vars = {name: dict(vars(obj)) for name, obj in self.objects.items()}
+
+    def __getitem__(self, name):
+        return self.vars[name]
+
+    def __iter__(self):
+        return iter(self.vars)
+
+    def changed(self):
+        """``name.attr`` of every attribute that holds another object than then
+        (by identity: a wrapt wrapper compares equal to what it wraps)."""
+        out = []
+        for name, obj in self.objects.items():
+            old, now = self.vars[name], vars(obj)
+            for key in sorted(set(old) | set(now)):
+                if key not in _CACHES and old.get(key, _MISSING) is not now.get(key, _MISSING):
+                    out.append(f"{name}.{key}")
+        return out
+
+
+# ------------------------------------------------------------------ models and data
+
+_NORMS = {"batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
+
+
+def mlp(*sizes, seed=0, act=nn.ReLU, norm=None):
+    """A seeded ``nn.Sequential`` of ``nn.Linear`` layers through ``sizes``,
+    each but the last followed by ``norm`` (``"batch"``, ``"layer"``) and ``act``."""
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers.append(nn.Linear(a, b))
+        layers += [_NORMS[norm](b)] if norm else []
+        layers.append(act())
+    # the last layer has neither norm nor activation
+    del layers[-(2 if norm else 1):]
+    return nn.Sequential(*layers)
+
+
+def batch(i, n_in, n_out, rows=8, seed=100):
+    """``(inputs, targets)`` number ``i``: seeded, so every test that asks gets the same."""
+    g = torch.Generator().manual_seed(seed + i)
+    return torch.randn(rows, n_in, generator=g), torch.randn(rows, n_out, generator=g)
+
+
+def sgd(model, lr=0.1, **kwargs):
+    """``torch.optim.SGD`` over ``model``'s parameters."""
+    return torch.optim.SGD(model.parameters(), lr=lr, **kwargs)

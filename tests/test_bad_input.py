@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
+from helpers import mlp, sgd, Snapshot
 from amp_patch import ConfigError, ListError, OverflowLoopError, StateError
-from amp_patch.oplists import NAMESPACES
 
 # FP16 on the CPU is deliberate here; amp_patch's advice to use BF16 there is
 # not what these tests check.
@@ -26,22 +26,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::amp_patch.AmpWarning")
 f16, bf16 = torch.float16, torch.bfloat16
 
 
-def _vars():
-    return {name: dict(vars(obj)) for name, obj in NAMESPACES.items()}
-
-
-def _changed(before):
-    after = _vars()
-    return [f"{n}.{k}" for n in before for k in set(before[n]) | set(after[n]) if before[n].get(k) is not after[n].get(k)]
-
-
 def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    return mlp(4, 8, 2, norm="batch")
 
 
-def _sgd(m):
-    return torch.optim.SGD(m.parameters(), lr=0.1)
+_sgd = sgd
 
 
 def _meta_model():
@@ -114,12 +103,12 @@ ROWS = [
 def test_bad_initialize_raises_clearly_and_changes_nothing(call, exc, pattern):
     model = _net()
     before_model = {k: v.clone() for k, v in model.state_dict().items()}
-    before = _vars()
+    before = Snapshot()
     with pytest.raises(exc, match=pattern) as info:
         call(model)
     assert isinstance(info.value, amp_patch.AmpError)
     assert not amp_patch.is_initialized()
-    assert _changed(before) == []
+    assert before.changed() == []
     # The model is as it was (rows that build their own model leave this one alone too).
     after_model = model.state_dict()
     for k, v in before_model.items():
@@ -131,10 +120,10 @@ def test_a_second_initialize_with_other_settings_is_refused_and_keeps_the_first(
     a, b = _net(), _net()
     amp_patch.initialize(a, _sgd(a), "O1", half_dtype=bf16)
     try:
-        during = _vars()
+        during = Snapshot()
         with pytest.raises(ConfigError, match=r"already initialized with opt_level='O1'.*deinitialize\(\) first"):
             amp_patch.initialize(b, _sgd(b), "O2", half_dtype=bf16)
-        assert _changed(during) == []
+        assert during.changed() == []
         assert all(p.dtype == torch.float32 for p in b.parameters())
         assert F.linear(torch.randn(2, 4), a[0].weight).dtype == bf16  # the first run is still on
     finally:
@@ -154,10 +143,10 @@ ORDER_ROWS = [
 
 @pytest.mark.parametrize("name,call", ORDER_ROWS, ids=[r[0] for r in ORDER_ROWS])
 def test_calls_before_initialize_say_to_initialize_first(name, call):
-    before = _vars()
+    before = Snapshot()
     with pytest.raises(StateError, match=rf"amp_patch\.{name} needs amp_patch\.initialize\(model, optimizer"):
         call(_sgd(_net()))
-    assert _changed(before) == [] and not amp_patch.is_initialized()
+    assert before.changed() == [] and not amp_patch.is_initialized()
 
 
 def test_scale_loss_with_an_optimizer_initialize_never_saw():
@@ -376,10 +365,10 @@ def test_bad_op_lists_raise_before_anything_is_patched(tmp_path, monkeypatch, so
         monkeypatch.setenv("AMP_PATCH_LISTS", src)
         src = None
     m = _net()
-    before = _vars()
+    before = Snapshot()
     with pytest.raises(ListError, match=pattern):
         amp_patch.initialize(m, _sgd(m), "O1", half_dtype=f16, lists=src)
-    assert _changed(before) == [] and not amp_patch.is_initialized()
+    assert before.changed() == [] and not amp_patch.is_initialized()
     assert not (tmp_path / "pwned").exists()
 
 
@@ -395,8 +384,7 @@ def test_every_problem_in_a_list_is_reported_at_once(tmp_path):
 
 
 def _mlp():
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    return mlp(4, 16, 2, seed=3)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -518,7 +506,7 @@ def test_deinitialize_after_an_exception_in_the_step_restores_everything(level, 
     model = _net()
     fp32_params = [p for p in model.parameters()]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    before = _vars()
+    before = Snapshot()
     model, opt = amp_patch.initialize(model, opt, level, half_dtype=half, verbosity=0)
     handle = model[2].register_forward_hook(lambda m, i, o: _explode(where, "in-a-hook"))
     x, t = torch.randn(4, 4), torch.randn(4, 2)
@@ -539,7 +527,7 @@ def test_deinitialize_after_an_exception_in_the_step_restores_everything(level, 
     finally:
         handle.remove()
         amp_patch.deinitialize()
-    assert _changed(before) == []
+    assert before.changed() == []
     from amp_patch.patching import wrappers
 
     assert not wrappers.disabled  # the disable_casts block was left on the way out

@@ -193,9 +193,9 @@ def _fsdp_case(rank, half):
 
 def _refused_case(rank, kind):
     import amp_patch
-    from amp_patch.oplists import NAMESPACES
+    from helpers import Snapshot
 
-    before = {n: dict(vars(o)) for n, o in NAMESPACES.items()}
+    before = Snapshot()
     model = _net(norm="layer")
     if kind == "fsdp2-O2":
         from torch.distributed.fsdp import fully_shard
@@ -215,8 +215,7 @@ def _refused_case(rank, kind):
     else:
         amp_patch.deinitialize()
         error = None
-    after = {n: dict(vars(o)) for n, o in NAMESPACES.items()}
-    changed = [f"{n}.{k}" for n in before for k in set(before[n]) | set(after[n]) if before[n].get(k) is not after[n].get(k)]
+    changed = before.changed()
     return dict(error=error, changed=changed, initialized=amp_patch.is_initialized(),
                 dtypes_before=sorted(map(str, dtypes)), dtypes_after=sorted({str(p.dtype) for p in model.parameters()}))
 

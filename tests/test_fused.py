@@ -13,24 +13,22 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import amp_patch
 from amp_patch.precision import fused
 from amp_patch.errors import ConfigError
-from helpers import amp
+import helpers
+from helpers import amp, mlp
 
 bf16, f32 = torch.bfloat16, torch.float32
 
 
 def net(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    return mlp(16, 32, 4, seed=seed, norm="batch")
 
 
 def batch(i):
-    g = torch.Generator().manual_seed(100 + i)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    return helpers.batch(i, 16, 4)
 
 
 OPTIMIZERS = {

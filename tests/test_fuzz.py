@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import amp_patch
+from helpers import Snapshot
 from amp_patch import ConfigError, ListError, StateError, oplists
 from amp_patch.oplists import NAMESPACES
 from amp_patch.oplists.schema import POLICIES
@@ -36,7 +37,7 @@ POOL = {ns: sorted({e.name for e in _DEFAULTS if e.namespace == ns and oplists.o
 POOL = {ns: names for ns, names in POOL.items() if names}
 #: what each of those attributes is before anything is patched
 ORIGINAL = {(ns, n): getattr(NAMESPACES[ns], n) for ns, names in POOL.items() for n in names}
-SNAPSHOT = {ns: dict(vars(obj)) for ns, obj in NAMESPACES.items()}
+SNAPSHOT = Snapshot()
 DEFAULT_TABLE = {half: oplists.OpTable(_DEFAULTS).resolve(half, "cpu") for half in (torch.float16, torch.bfloat16)}
 
 #: a misspelling, a real torch module that amp_patch does not patch, a wrong case
@@ -44,14 +45,6 @@ BAD_NAMESPACES = ["torch.nn.functionl", "torch.sparse", "Torch"]
 BAD_POLICIES = ["halff", "fp32", "Float"]
 BAD_OPS = ["sofmax", "not_an_op", "__nope__"]
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-
-
-def _unchanged():
-    problems = []
-    for ns, obj in NAMESPACES.items():
-        now, then = vars(obj), SNAPSHOT[ns]
-        problems += [f"{ns}.{k}" for k in set(now) | set(then) if now.get(k) is not then.get(k)]
-    return problems
 
 
 @st.composite
@@ -90,7 +83,7 @@ def test_random_op_list_overrides(case, half):
     if not valid:
         with pytest.raises(ListError):
             amp_patch.initialize(None, None, "O1", half_dtype=half, lists=doc)
-        assert not amp_patch.is_initialized() and _unchanged() == []
+        assert not amp_patch.is_initialized() and SNAPSHOT.changed() == []
         return
     amp_patch.initialize(None, None, "O1", half_dtype=half, lists=doc, verbosity=0)
     try:
@@ -126,7 +119,7 @@ def test_random_op_list_overrides(case, half):
                 assert amp.table[key].policy == entry.policy, key
     finally:
         amp_patch.deinitialize()
-    assert _unchanged() == []
+    assert SNAPSHOT.changed() == []
 
 
 @settings(max_examples=25, **SETTINGS)
@@ -135,10 +128,10 @@ def test_arbitrary_structures_never_patch_half_way(doc):
     try:
         amp_patch.initialize(None, None, "O1", lists=doc, verbosity=0)
     except ListError:
-        assert not amp_patch.is_initialized() and _unchanged() == []
+        assert not amp_patch.is_initialized() and SNAPSHOT.changed() == []
     else:
         amp_patch.deinitialize()
-        assert _unchanged() == []
+        assert SNAPSHOT.changed() == []
 
 
 # ---------------------------------------------------------------- random call sequences
@@ -221,7 +214,7 @@ class Sessions(RuleBasedStateMachine):
         amp = session.current()
         assert (amp is None) == (self.level is None)
         if amp is None:
-            assert _unchanged() == []
+            assert SNAPSHOT.changed() == []
             assert all(p.dtype == torch.float32 for p in self.model.parameters())
             assert [id(p) for p in self.model.parameters()] == [id(p) for p in self.params]
             assert [id(p) for p in self.opt.param_groups[0]["params"]] == [id(p) for p in self.params]
@@ -235,7 +228,7 @@ class Sessions(RuleBasedStateMachine):
 
     def teardown(self):
         amp_patch.deinitialize()
-        assert _unchanged() == []
+        assert SNAPSHOT.changed() == []
 
 
 Sessions.TestCase.settings = settings(max_examples=20, stateful_step_count=10, **SETTINGS)

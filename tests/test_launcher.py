@@ -16,7 +16,7 @@ import amp_patch
 from amp_patch import ConfigError, ListError, frontend, session
 from amp_patch.frontends import launcher
 from amp_patch.frontends.launcher import Launch, OptimizerHook, Settings, owning_model
-from helpers import destroy_process_group, write
+from helpers import Snapshot, destroy_process_group, write
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -35,7 +35,7 @@ def optimizer_vars():
         cls = todo.pop()
         classes.append(cls)
         todo.extend(cls.__subclasses__())
-    return {cls: dict(vars(cls)) for cls in classes}
+    return Snapshot({f"{cls.__module__}.{cls.__qualname__}": cls for cls in classes})
 
 
 # ------------------------------------------------------------------ settings
@@ -120,10 +120,7 @@ def test_hook_fires_once_per_optimizer_after_the_whole_constructor():
     finally:
         hook.uninstall()
     assert built == [("SGD", None), ("Tagged", "set after super().__init__"), ("Later", "later")]
-    after = optimizer_vars()
-    for cls, own in before.items():
-        assert after[cls].keys() == own.keys(), cls
-        assert all(after[cls][k] is v for k, v in own.items()), cls
+    assert before.changed() == []
     assert "__init_subclass__" not in vars(torch.optim.Optimizer)
     assert not hasattr(vars(Later)["__init__"], "__wrapped__")  # restored on the later class too
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_patch
+import helpers
 from amp_patch.errors import ConfigError
 from helpers import amp, destroy_process_group
 
@@ -61,14 +62,12 @@ class WithSpare(nn.Module):
 
 
 def mlp(seed=0, unused=False):
-    torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 2))
+    m = helpers.mlp(6, 12, 2, seed=seed, act=nn.Tanh)
     return WithSpare(m) if unused else m
 
 
 def batch(i=0):
-    g = torch.Generator().manual_seed(i)
-    return torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
+    return helpers.batch(i, 6, 2, rows=16, seed=0)
 
 
 def train_steps(model, opt, steps):

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import wrapt
 
 import amp_patch
-from amp_patch import ConfigError, StateError
-from amp_patch.oplists import NAMESPACES
+from helpers import Snapshot
+from amp_patch import ConfigError
 
 HALVES = [torch.float16, torch.bfloat16]
 
@@ -32,17 +32,6 @@ def o1(wrapper_path):
     amp_patch.deinitialize()
 
 
-def _snapshot():
-    return {name: dict(vars(obj)) for name, obj in NAMESPACES.items()}
-
-
-def _changed(before):
-    """Attributes whose object differs from ``before`` (by identity: a wrapt
-    wrapper compares equal to what it wraps)."""
-    now = _snapshot()
-    return [f"{ns}.{k}" for ns in now for k in set(now[ns]) | set(before[ns]) if now[ns].get(k) is not before[ns].get(k)]
-
-
 def test_wrapt_c_extension_is_in_use():
     # Without it a Tensor-method wrapper costs microseconds more per call.
     assert wrapt.FunctionWrapper.__module__ in ("wrapt._wrappers", "builtins") or "_wrappers" in repr(
@@ -55,13 +44,13 @@ def test_wrapt_c_extension_is_in_use():
 
 @pytest.mark.parametrize("half", HALVES, ids=["fp16", "bf16"])
 def test_roundtrip_restores_every_namespace_exactly(half):
-    before = _snapshot()
+    before = Snapshot()
     amp_patch.initialize(None, None, "O1", half_dtype=half)
-    during = _snapshot()
+    during = Snapshot()
     assert during["torch.nn.functional"]["linear"] is not before["torch.nn.functional"]["linear"]
     assert "mm" in during["torch.Tensor"] and "mm" not in before["torch.Tensor"]
     amp_patch.deinitialize()
-    after = _snapshot()
+    after = Snapshot()
     for name in before:
         assert before[name].keys() == after[name].keys(), name
         changed = [k for k in before[name] if before[name][k] is not after[name][k]]
@@ -69,10 +58,10 @@ def test_roundtrip_restores_every_namespace_exactly(half):
 
 
 def test_deinitialize_when_nothing_patched_is_a_noop():
-    before = _snapshot()
+    before = Snapshot()
     amp_patch.deinitialize()
     amp_patch.deinitialize()
-    assert _changed(before) == []
+    assert before.changed() == []
 
 
 def _clip_functions():
@@ -90,11 +79,11 @@ def test_levels_without_casts_or_scaling_patch_nothing_on_torch(level):
     ref = nn.Linear(4, 4)
     ref.load_state_dict(m.state_dict())
     opt, ref_opt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    before, clips = _snapshot(), _clip_functions()
+    before, clips = Snapshot(), _clip_functions()
     m, opt = amp_patch.initialize(m, opt, opt_level=level, half_dtype="bfloat16", verbosity=0)
     try:
         now = _clip_functions()
-        assert _changed(before) == [] and all(now[k] is f for k, f in clips.items())
+        assert before.changed() == [] and all(now[k] is f for k, f in clips.items())
         x = torch.randn(2, 4)
         for model, o in ((m, opt), (ref.to(next(m.parameters()).dtype), ref_opt)):
             model(x.to(next(model.parameters()).dtype)).float().pow(2).sum().backward()
@@ -468,11 +457,11 @@ def test_second_initialize_adds_models_without_stacking_wrappers():
     ],
 )
 def test_bad_configuration_raises_and_patches_nothing(kwargs, error, fragment):
-    before = _snapshot()
+    before = Snapshot()
     with pytest.raises(error) as info:
         amp_patch.initialize(nn.Linear(2, 2), None, **kwargs)
     assert fragment in str(info.value)
-    assert _changed(before) == [] and not amp_patch.is_initialized()
+    assert before.changed() == [] and not amp_patch.is_initialized()
 
 
 def test_wrong_types_name_the_argument():
@@ -492,7 +481,7 @@ def test_meta_model_is_refused():
 def test_failure_half_way_through_patching_undoes_everything(monkeypatch):
     from amp_patch import frontend
 
-    before = _snapshot()
+    before = Snapshot()
     real = frontend._patch_items
 
     def items_then_boom(amp):
@@ -507,7 +496,7 @@ def test_failure_half_way_through_patching_undoes_everything(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         amp_patch.initialize(None, None, "O1")
     monkeypatch.undo()
-    assert _changed(before) == [] and not amp_patch.is_initialized()
+    assert before.changed() == [] and not amp_patch.is_initialized()
 
 
 def test_register_functions_and_decorators():
@@ -632,7 +621,7 @@ def test_returns_structure_it_was_given():
 
 
 def test_deinitialize_after_exception_in_training_step_restores_torch():
-    before = _snapshot()
+    before = Snapshot()
     m = nn.Linear(2, 2)
     amp_patch.initialize(m, None, "O1")
     try:
@@ -640,4 +629,4 @@ def test_deinitialize_after_exception_in_training_step_restores_torch():
             m(torch.randn(3, 5))  # wrong shape inside a patched op
     finally:
         amp_patch.deinitialize()
-    assert _changed(before) == []
+    assert before.changed() == []

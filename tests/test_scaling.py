@@ -19,7 +19,7 @@ from torch import nn
 import amp_patch
 from amp_patch import scaling
 from amp_patch.errors import ConfigError, OverflowLoopError, StateError
-from helpers import amp, destroy_process_group
+from helpers import amp, batch, destroy_process_group
 
 FP16 = dict(half_dtype=torch.float16, verbosity=0)
 
@@ -38,8 +38,7 @@ class Scale(nn.Module):
 
 
 def data(i, n=4):
-    g = torch.Generator().manual_seed(100 + i)
-    return torch.randn(8, n, generator=g), torch.randn(8, n, generator=g)
+    return batch(i, n, n)
 
 
 def loss_of(model, i, poison=False):

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
+from helpers import batch
 from amp_patch import session
 from amp_patch.patching import modes
 from amp_patch.errors import StateError
@@ -62,8 +63,7 @@ def amp_run():
 
 
 def _data():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(B, D_IN, generator=g), torch.randn(B, D_OUT, generator=g)
+    return batch(0, D_IN, D_OUT, rows=B, seed=1)
 
 
 def test_ledger_counts_calls_dtypes_casts_and_bytes(amp_run):

@@ -22,17 +22,13 @@ import torch.nn.functional as F
 import amp_patch
 from amp_patch.frontends import launcher
 from amp_patch.frontends.launcher import Settings
-from helpers import amp, write
+from helpers import amp, mlp, write
 
 FP16 = dict(half_dtype=torch.float16)
 
 
 def _net(seed, *sizes):
-    torch.manual_seed(seed)
-    layers = []
-    for a, b in zip(sizes, sizes[1:]):
-        layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])
+    return mlp(*sizes, seed=seed, act=nn.Tanh)
 
 
 def _quiet():

@@ -315,7 +315,7 @@ def _read_file(path: Path, allow_remove: bool) -> _Reader:
 def _read_text(text: str, where: str, allow_remove: bool) -> _Reader:
     try:
         # Composing (not constructing) keeps line numbers and never builds
-        # Python objects from tags; the C loader is 30x faster when present.
+        # Python objects from tags; the C loader is much faster when present.
         root = yaml.compose(text, Loader=_SAFE_LOADER)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark

@@ -28,8 +28,8 @@ CASTABLE = frozenset((f16, bf16, f32))
 #: tensor types whose half copies the cache may keep
 _CACHEABLE = frozenset((Tensor, torch.nn.Parameter))
 #: the conversion for each target dtype. ``TensorBase.bfloat16(t)`` is
-#: ``t.to(torch.bfloat16)``, but skips ``to``'s overload resolution: about 1 µs
-#: less per cast on small tensors, where the binding costs more than the copy.
+#: ``t.to(torch.bfloat16)``, but skips ``to``'s overload resolution, which costs
+#: more than the copy on small tensors (figures in benchmarks/RESULTS.md).
 #: Taken from the C base class, which amp_patch never patches.
 CONVERT = {f16: torch._C.TensorBase.half, bf16: torch._C.TensorBase.bfloat16, f32: torch._C.TensorBase.float}
 _grad_enabled = torch._C.is_grad_enabled

@@ -280,7 +280,7 @@ class OpWrapper(wrapt.FunctionWrapper):
     ``wrapt.FunctionWrapper`` gives a plain Python function (most of
     ``torch.nn.functional``) its "function" binding, under which every call
     first looks up ``__self__`` on the wrapped function; a plain function has
-    none, so each call raises and clears an AttributeError, about 1 µs. The
+    none, so each call raises and clears an AttributeError. The
     "staticmethod" binding skips that lookup and binds the same way when the
     function is reached as a class attribute (the wrapper then gets the bound
     function as ``wrapped`` and its receiver as ``instance``).
@@ -301,7 +301,7 @@ class MethodWrapper(OpWrapper):
     """The wrapt wrapper on a ``torch.Tensor`` method or operator.
 
     Reached through a tensor, a ``FunctionWrapper`` builds a new
-    ``BoundFunctionWrapper`` on every access, about 1 µs of each ``x + y``.
+    ``BoundFunctionWrapper`` on every access, a large share of each ``x + y``.
     This one binds as a Python function does: ``x.add`` is a method object
     over the wrapper, which is then called with the receiver as ``args[0]``,
     exactly as ``torch.Tensor.add(x, y)`` calls it, and passes the same
@@ -597,7 +597,7 @@ else:
         FAST_UNAVAILABLE = str(exc)
 if fast is None:
     logging.getLogger("amp_patch").debug(
-        "amp_patch: patched ops run the pure-Python wrappers (about 1 µs more per call): %s", FAST_UNAVAILABLE
+        "amp_patch: patched ops run the pure-Python wrappers (slower per call): %s", FAST_UNAVAILABLE
     )
 
 
