@@ -49,6 +49,7 @@ CASTABLE = (f16, bf16, f32)
 LOW = (f16, bf16)
 HALF = {"float16": f16, "bfloat16": bf16}
 DNAMES = list(HALF)
+DNAME_OF = {v: k for k, v in HALF.items()}
 VARIANTS = ("fp32", "half", "mixed")
 FUNCTION_NAMESPACES = ("torch", "torch.nn.functional", "torch.linalg", "torch.special", "torch.fft")
 INPLACE_DUNDERS = frozenset(
@@ -428,30 +429,29 @@ def test_ops_without_an_entry_for_the_dtype_are_left_unpatched(dname, o1):
     assert not patched, f"patched under {dname} without an entry for it: {patched}"
 
 
-@pytest.mark.parametrize("form,dname", GENERATED, ids=[f"{short(f)}-{d}" for f, d in GENERATED])
-def test_patched_op_matches_original_on_hand_cast_inputs(form, dname, wrapper_path, o1):
-    require_sample(form)
-    if not exists(form):
-        pytest.skip(f"{form} is an optional op that torch {torch.__version__} does not have")
-    half = HALF[dname]
+def _references(form: str, half: torch.dtype) -> Tuple[str, Any, Any, dict, dict]:
+    """Policy, entry, original and, per input variant, the expected outcome and
+    the inputs, all built with torch unpatched (the samples call torch ops): the
+    references are the original op on inputs cast by hand."""
+    pol, entry = policy(FORMS[form], DNAME_OF[half])
     ns, name = split(form)
-    owner = NAMESPACES[ns]
-    pol, entry = policy(FORMS[form], dname)
-    original = getattr(owner, name)
-
-    # Everything is built with torch unpatched (the samples themselves call
-    # torch ops); the references are the original op on hand-cast inputs.
+    original = getattr(NAMESPACES[ns], name)
     expected, inputs = {}, {}
     for v in VARIANTS:
         ins = inputs_for(form, v, half)
         if ins is not None:
             expected[v] = expected_outcome(form, pol, half, original, *ins)
             inputs[v] = inputs_for(form, v, half)
+    return pol, entry, original, expected, inputs
 
-    o1(half)
-    assert getattr(owner, name) is not original, f"{form} is {pol!r} under {dname} but was not patched"
+
+def _check_patched(form: str, half: torch.dtype, refs: tuple) -> None:
+    """The patched ``form`` against its references (``_references``)."""
+    pol, entry, original, expected, inputs = refs
+    ns, name = split(form)
+    assert getattr(NAMESPACES[ns], name) is not original, f"{form} is {pol!r} under {half} but was not patched"
     for v, (want, to, amp_error) in expected.items():
-        where = f"{short(form)} ({pol}, {dname}, {v} inputs)"
+        where = f"{short(form)} ({pol}, {DNAME_OF[half]}, {v} inputs)"
         args, kwargs = inputs[v]
         if amp_error is not None:
             receiver = args[0].clone() if is_inplace(form) else None
@@ -469,6 +469,27 @@ def test_patched_op_matches_original_on_hand_cast_inputs(form, dname, wrapper_pa
         if got.error is None and to is not None:
             floating = {t.dtype for t in tensors(got.value) if t.is_floating_point()}
             assert floating <= {to}, f"{where}: outputs are {sorted(map(str, floating))}; the policy runs it in {to}"
+
+
+@pytest.mark.parametrize("dname", DNAMES)
+def test_patched_ops_match_originals_on_hand_cast_inputs(dname, wrapper_path, o1):
+    """Every listed op under one O1 session per dtype and wrapper path: its
+    outcome (values, dtypes, errors) is the original op's on hand-cast inputs.
+    Each op's failure is collected, so one run names every op that fails."""
+    half = HALF[dname]
+    forms = [f for f, d in GENERATED if d == dname]
+    missing = [f for f in forms if op_samples.lookup(f) is None]
+    assert not missing, f"listed ops with no sample in tests/op_samples.py (add one with @sample): {missing}"
+    refs = {f: _references(f, half) for f in forms if exists(f)}
+    assert len(refs) > 100, "too few ops checked: the lists or the samples went missing"
+    o1(half)
+    failures = []
+    for form, r in refs.items():
+        try:
+            _check_patched(form, half, r)
+        except (Exception, pytest.fail.Exception) as e:
+            failures.append(f"{form}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    assert not failures, f"{len(failures)} of {len(refs)} ops differ from the original on hand-cast inputs:\n" + "\n".join(failures)
 
 
 # ------------------------------------------------------------------ agreement with autocast: aten names
