@@ -109,3 +109,79 @@ def test_a_checkout_on_pythonpath_without_installing_finds_the_lists(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(str(src / "amp_patch"))
     assert "torch.Tensor.yaml" in res.stdout and "torch.nn.functional.yaml" in res.stdout
+
+
+def _package_imports():
+    """``{module: {module it imports}}`` over amp_patch, and the imports made inside functions."""
+    import ast
+
+    root = ROOT / "amp_patch"
+    mods = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    edges, inside = {m: set() for m in mods}, []
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text())
+        in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       for n in ast.walk(f)}
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("amp_patch"):
+                base = node.module
+            else:
+                continue
+            for alias in node.names:
+                target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base
+                if target in mods and target != mod:
+                    edges[mod].add(target)
+                    if id(node) in in_function:
+                        inside.append(f"{mod} -> {target}")
+    return edges, inside
+
+
+def _cycle(graph):
+    state = {}
+
+    def visit(u, path):
+        state[u] = 1
+        for v in graph.get(u, ()):
+            if state.get(v) == 1:
+                return path[path.index(v):] + [v]
+            if v not in state:
+                found = visit(v, path + [v])
+                if found:
+                    return found
+        state[u] = 2
+        return None
+
+    for u in graph:
+        if u not in state:
+            found = visit(u, [u])
+            if found:
+                return found
+    return None
+
+
+def test_imports_inside_the_package_go_one_way():
+    edges, inside = _package_imports()
+    assert not inside, f"imports inside functions: {inside}"
+    assert _cycle(edges) is None, f"an import cycle between modules: {_cycle(edges)}"
+
+    def group(mod):
+        parts = mod.split(".")
+        return parts[1] if len(parts) > 1 and (ROOT / "amp_patch" / parts[1]).is_dir() else "core"
+
+    between = {}
+    for a, targets in edges.items():
+        for b in targets:
+            if group(a) != group(b) and group(a) != "core":
+                between.setdefault(group(a), set()).add(group(b))
+    assert _cycle(between) is None, f"an import cycle between subpackages: {_cycle(between)}"

@@ -26,6 +26,8 @@ import threading
 import types
 from typing import Optional
 
+from .. import amp
+
 log = logging.getLogger("amp_patch")
 
 #: what to use instead of the Apex modules the stand-in package does not have
@@ -76,8 +78,6 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             pkg = types.ModuleType("apex", "Stand-in for NVIDIA Apex: only apex.amp, served by amp_patch.amp.")
             pkg.__getattr__ = _package_getattr  # `import apex; apex.amp.scale_loss(...)`
             return pkg
-        from .. import amp
-
         self._amp_spec = amp.__spec__
         return amp
 
@@ -138,8 +138,6 @@ def install_apex_alias() -> bool:
         sys.meta_path.insert(0, _finder)
         if real is not None:
             # An Apex kept for its kernels: `apex.amp` must work as an attribute too.
-            from .. import amp
-
             real.amp = amp
             _real_apex = real
             _announce()
@@ -169,8 +167,6 @@ def remove_apex_alias() -> None:
     with _lock:
         if _finder is None:
             return
-        from .. import amp
-
         try:
             sys.meta_path.remove(_finder)
         except ValueError:
