@@ -677,3 +677,72 @@ def test_each_optimizer_moves_through_the_documented_stages_and_an_illegal_move_
         assert h.stage is Stage.READY
     finally:
         amp_patch.deinitialize()
+
+
+class _Bag(torch.nn.Module):
+    """An embedding with sparse gradients, and a complex parameter beside it."""
+
+    def __init__(self, sparse=True, complex_param=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 4, sparse=sparse)
+        self.head = torch.nn.Linear(8, 1)
+        self.c = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64)) if complex_param else None
+
+    def forward(self, idx):
+        out = self.head(self.emb(idx).flatten(1)).float().sum()
+        return out + (self.c.abs() ** 2).sum() if self.c is not None else out
+
+
+IDX = torch.tensor([[1, 2], [2, 3], [2, 7]])  # index 2 three times: duplicates in the sparse gradient
+
+
+@pytest.mark.parametrize("level,half", [("O1", torch.float16), ("O2", torch.float16), ("O2", torch.bfloat16)])
+def test_sparse_gradients_are_unscaled_checked_and_stepped_as_torch_would(level, half):
+    model = _Bag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, level, half_dtype=half, loss_scale=128.0 if half == torch.float16 else None, verbosity=0)
+    try:
+        before = model.state_dict()["emb.weight"].clone()
+        loss = model(IDX)
+        (true,) = torch.autograd.grad(loss, [model.emb.weight], retain_graph=True)  # unscaled
+        assert true.is_sparse
+        loss.backward()
+        opt.step()
+        want = before - 0.1 * true.float().to_dense()
+        torch.testing.assert_close(model.state_dict()["emb.weight"], want, rtol=0, atol=1e-6)
+        assert model.emb.weight.dtype == (half if level == "O2" else torch.float32)
+    finally:
+        amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_overflow_in_a_sparse_gradient_skips_the_step(level):
+    model = _Bag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, level, half_dtype=torch.float16, verbosity=0)
+    try:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        (model(IDX) * 1e38).backward()
+        opt.step()
+        assert amp_patch.counters()["optimizers"][0]["skipped"] == 1
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    finally:
+        amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_complex_parameters_get_true_gradients_under_fp16_loss_scaling(level):
+    model = _Bag(sparse=False, complex_param=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, level, half_dtype=torch.float16, loss_scale=128.0, verbosity=0)
+    try:
+        c0 = model.c.detach().clone()
+        loss = model(IDX)
+        (true,) = torch.autograd.grad(loss, [model.c], retain_graph=True)
+        loss.backward()
+        opt.step()
+        assert model.c.dtype == torch.complex64
+        torch.testing.assert_close(model.c.detach(), c0 - 0.1 * true, rtol=0, atol=1e-6)
+    finally:
+        amp_patch.deinitialize()

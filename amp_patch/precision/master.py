@@ -143,12 +143,16 @@ class MasterWeights:
         idx = [i for i, h in enumerate(halfs) if h.grad is not None]
         if not idx:
             return
+        sparse = {i for i in idx if halfs[i].grad.is_sparse}
+        if sparse:
+            idx = [i for i in idx if i not in sparse]
         incoming = [halfs[i].grad for i in idx]
         if not self.holds_partial_sum:
-            bufs = [self._buffer(i) for i in idx]
-            torch._foreach_copy_(bufs, incoming)
-            if unscale is not None:
-                unscale(bufs)
+            if idx:
+                bufs = [self._buffer(i) for i in idx]
+                torch._foreach_copy_(bufs, incoming)
+                if unscale is not None:
+                    unscale(bufs)
             has = set(idx)
             for i, m in enumerate(masters):
                 if i in has:
@@ -157,7 +161,7 @@ class MasterWeights:
                     # a master whose half got no gradient this step must not step on
                     # the last step's (model.zero_grad() cannot reach the masters)
                     m.grad = None
-        else:
+        elif idx:
             if unscale is not None:
                 incoming = [g.float() for g in incoming]
                 unscale(incoming)
@@ -167,7 +171,21 @@ class MasterWeights:
             torch._foreach_add_([masters[i].grad for i in idx], incoming)
         for i in idx:
             halfs[i].grad = None
+        if sparse:
+            self._collect_sparse(sorted(sparse), unscale)
         self.holds_partial_sum = True
+
+    def _collect_sparse(self, idx: List[int], unscale: Optional[Callable[[List[Tensor]], None]]) -> None:
+        """Sparse half gradients (``nn.Embedding(sparse=True)``) become sparse FP32
+        master gradients: made FP32 before duplicates are summed, so the sum
+        cannot overflow, then unscaled and checked like the dense ones."""
+        for i in idx:
+            g = self.halfs[i].grad.float().coalesce()
+            if unscale is not None:
+                unscale([g])
+            m = self.masters[i]
+            m.grad = g if not self.holds_partial_sum or m.grad is None else (m.grad + g).coalesce()
+            self.halfs[i].grad = None
 
     def _buffer(self, i: int) -> Tensor:
         buf = self.grads[i]

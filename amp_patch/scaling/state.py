@@ -155,6 +155,16 @@ class Run:
         return cached[1]
 
 
+def _dense_real(t: Tensor) -> Tensor:
+    """What the fused unscale-and-check can take of a gradient, sharing its memory:
+    a sparse gradient's values (as ``torch.amp.GradScaler`` unscales them; the
+    ones unscaled here are FP32, so summing duplicates cannot overflow) and a
+    complex gradient's real view."""
+    if t.is_sparse:
+        t = t._values()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 class _Unscale:
     def __init__(self, run: Run, loss_id: int, scale: float):
         self.run, self.loss_id, self.scale = run, loss_id, scale
@@ -162,6 +172,7 @@ class _Unscale:
     def __call__(self, tensors: List[Tensor]) -> None:
         by_device: Dict[torch.device, List[Tensor]] = {}
         for t in tensors:
+            t = _dense_real(t)
             by_device.setdefault(t.device, []).append(t)
         run, l = self.run, self.loss_id
         for dev, ts in by_device.items():
