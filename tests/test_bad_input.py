@@ -1,6 +1,11 @@
 """Bad input and misuse: each a clear exception (type and message checked),
 torch left exactly as it was, and the model untouched.
 
+The tables below are the contract, one row per thing tried: ``ROWS`` (calls of
+``initialize``), ``ORDER_ROWS`` (calls in the wrong order), ``LIST_ROWS`` (op
+lists, as a file, a dict or ``$AMP_PATCH_LISTS``); each row names what was
+tried and the message that comes back.
+
 Plus numerical faults (NaN inputs, NaN every step, an inf written into a
 weight by hand) and exceptions thrown from inside a training step.
 """
@@ -96,6 +101,18 @@ ROWS = [
      ListError, r"lists= takes a YAML path, a dict, or a list of them; got int"),
     ("keep-fp32-at-o1", lambda m: amp_patch.initialize(m, _sgd(m), "O1", keep_fp32=["0"]),
      ConfigError, r"keep_fp32 .* use it with O2, O3 or O5"),
+    ("opt-level-in-a-list", lambda m: amp_patch.initialize(m, _sgd(m), ["O1"]),
+     ConfigError, r"opt_level=\['O1'\] is a list, not an opt level; pass one string"),
+    ("lists-at-a-model-level", lambda m: amp_patch.initialize(m, _sgd(m), "O2", lists={"torch": {"float": ["mm"]}}),
+     ConfigError, r"lists= overrides the op lists, but opt_level='O2' patches no functions"),
+    ("fused-update-not-a-bool", lambda m: amp_patch.initialize(m, _sgd(m), "O2", fused_update="yes"),
+     ConfigError, r"fused_update='yes' must be True or False"),
+    ("enabled-not-a-bool", lambda m: amp_patch.initialize(m, _sgd(m), "O1", enabled="no"),
+     ConfigError, r"enabled='no' must be True or False"),
+    ("save-dtype-float64", lambda m: amp_patch.initialize(m, _sgd(m), "O2", save_dtype=torch.float64),
+     ConfigError, r"save_dtype=torch\.float64 is not supported"),
+    ("keep-fp32-a-number", lambda m: amp_patch.initialize(m, _sgd(m), "O2", keep_fp32=3),
+     ConfigError, r"keep_fp32=3 must be a callable \(module, name\) -> bool or a list of module-name patterns"),
 ]
 
 
@@ -347,6 +364,17 @@ LIST_ROWS = [
      r"l\.yaml: no such op-list file; check the path given to lists= or AMP_PATCH_LISTS"),
     ("dict-with-unknown-op", {"torch": {"half": ["not_an_op_xyz"]}},
      r"<lists dict>: torch\.half\[0\] 'not_an_op_xyz' is not in torch"),
+    ("policy-given-as-a-mapping", "torch:\n  float:\n    mm: yes\n",
+     r"l\.yaml:2: torch\.float is a mapping; it must be a list of op names: write `float: \[mm\]`"),
+    ("op-under-another-namespace", "torch.nn.functional:\n  float: [matmul]\n",
+     r"l\.yaml:2: torch\.nn\.functional\.float\[0\] 'matmul' is not in torch\.nn\.functional; it is in torch "
+     r"\(also in torch\.Tensor, torch\.linalg\): list it under torch:"),
+    ("attribute-protocol-dunder", "torch.Tensor:\n  float: [__getattribute__]\n",
+     r"torch\.Tensor\.__getattribute__ is serialization, random state, configuration or the object protocol, not a tensor op"),
+    ("serialization-function", "torch:\n  half: [save]\n",
+     r"torch\.save is serialization, random state, configuration or the object protocol, not a tensor op"),
+    ("a-class", "torch:\n  half: [Tensor]\n",
+     r"torch\.Tensor is a class, not a tensor op"),
 ]
 
 

@@ -48,15 +48,19 @@ def marker_script(tmp_path):
         (["run", "--opt", "O1", "{script}"], "unrecognized arguments: --opt"),  # no abbreviations
         (["run", "--lists", "{missing}", "{script}"], "missing.yaml: no such op-list file"),
         (["run", "{missing_script}"], "script '{missing_script}' does not exist"),
+        # python DIR says this in one line; so does the launcher, before anything starts
+        (["run", "{folder}"], "can't find '__main__' module in '{folder}'"),
     ],
 )
 def test_bad_run_input_exits_2_without_starting_the_script(capsys, marker_script, tmp_path, argv, message):
     script, marker = marker_script
-    subs = {"script": str(script), "missing": str(tmp_path / "missing.yaml"), "missing_script": str(tmp_path / "gone.py")}
+    subs = {"script": str(script), "missing": str(tmp_path / "missing.yaml"), "missing_script": str(tmp_path / "gone.py"),
+            "folder": str(tmp_path)}
     argv = [a.format(**subs) for a in argv]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message.format(**subs) in err and "usage: amp-patch run" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 2
     assert not marker.exists() and not amp_patch.is_initialized()
 
 

@@ -442,6 +442,9 @@ def check_script(script: Union[str, os.PathLike]) -> str:
         raise ConfigError(f"script {os.fspath(script)!r} does not exist (looked for {path})")
     if os.path.isfile(path) and not os.access(path, os.R_OK):
         raise ConfigError(f"script {os.fspath(script)!r} cannot be read (permission denied)")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "__main__.py")):
+        # what `python DIR` says, before anything starts
+        raise ConfigError(f"can't find '__main__' module in {os.fspath(script)!r} (a folder runs its __main__.py)")
     return path
 
 

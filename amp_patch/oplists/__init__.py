@@ -205,7 +205,13 @@ class _Reader:
                     continue
                 seq = _seq(ops)
                 if seq is None:
-                    self.problem(pline, f"{ns}.{pol}", "must be a list of op names")
+                    given = _items(ops)
+                    if given:  # `float: {mm: yes}`: the names are the keys
+                        names = ", ".join(str(k) for k, _, _ in given)
+                        self.problem(pline, f"{ns}.{pol}", f"is a mapping; it must be a list of op names: write "
+                                     f"`{pol}: [{names}]` (an entry with options is a mapping with 'name' inside the list)")
+                    else:
+                        self.problem(pline, f"{ns}.{pol}", "must be a list of op names")
                     continue
                 for i, (item, eline) in enumerate(seq):
                     self.read_entry(ns, pol, i, item, eline or pline)
@@ -251,7 +257,12 @@ class _Reader:
             if optional:
                 log.debug("amp_patch: optional op %s.%s is not in torch %s; not patched", ns, name, torch.__version__)
             else:
-                self.problem(line, path, f"{name!r} is not in {ns}{_nearest(name, _op_names(ns))} (mark it 'optional: true' if it exists only in some torch versions)")
+                homes = [n for n in NAMESPACES if n != ns and not n.startswith("torch._") and op_exists(n, name)]
+                if homes:
+                    also = f" (also in {', '.join(homes[1:])})" if len(homes) > 1 else ""
+                    self.problem(line, path, f"{name!r} is not in {ns}; it is in {homes[0]}{also}: list it under {homes[0]}:")
+                else:
+                    self.problem(line, path, f"{name!r} is not in {ns}{_nearest(name, _op_names(ns))} (mark it 'optional: true' if it exists only in some torch versions)")
         elif pol != "remove":
             why = not_an_op(NAMESPACES[ns], name)
             if why is not None:
@@ -285,7 +296,7 @@ def _items(obj: Any) -> Optional[List[Tuple[Any, Any, Optional[int]]]]:
 def _seq(obj: Any) -> Optional[List[Tuple[Any, Optional[int]]]]:
     if isinstance(obj, _Seq):
         return list(obj)
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, _Mapping):
         return [(v, None) for v in obj]
     return None
 
