@@ -375,6 +375,8 @@ LIST_ROWS = [
      r"torch\.save is serialization, random state, configuration or the object protocol, not a tensor op"),
     ("a-class", "torch:\n  half: [Tensor]\n",
      r"torch\.Tensor is a class, not a tensor op"),
+    ("remove-of-an-unlisted-op", "torch.nn.functional:\n  remove: [gelu]\n",
+     r"l\.yaml:2: torch\.nn\.functional\.remove 'gelu' is on no list, so there is nothing to remove"),
 ]
 
 

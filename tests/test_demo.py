@@ -28,21 +28,26 @@ def _rows(out: str) -> dict:
     return rows
 
 
-def _fp32_reference_loss() -> float:
-    """The tutorial's FP32 loop, written out, on the demo's data and seeds."""
+def _fp32_reference_losses() -> tuple:
+    """The FP32 loop, written out, on targets a fixed linear map of the inputs
+    (the demo's data and seeds): the loss at the first and the last step."""
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g)) for _ in range(2)]
+    teacher = torch.randn(32, 32, generator=g) / 32 ** 0.5
+    xs = [torch.randn(8, 32, generator=g) for _ in range(2)]
+    data = [(x, x @ teacher) for x in xs]
     torch.manual_seed(0)
     model = demo.SimpleNet(32, 32)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     mse = nn.MSELoss()
+    losses = []
     for i in range(1 + 4):
         x, y = data[i % 2]
         loss = mse(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return float(loss.detach())
+        losses.append(float(loss.detach()))
+    return losses[0], losses[-1]
 
 
 def _o2_available() -> bool:
@@ -58,23 +63,26 @@ def _o2_available() -> bool:
 def test_demo_prints_the_comparison_table(capsys):
     assert demo.main(SMALL) == 0
     out = capsys.readouterr().out
-    assert out.startswith("amp_patch demo: SimpleNet (3 x Linear 32->32, ReLU), MSE loss, SGD; batch 8, "
+    assert out.startswith("amp_patch demo: SimpleNet (3 x Linear 32->32, ReLU), MSE loss, Adam; batch 8, "
                           "4 timed steps after 1 warm-up; cpu (CPU half dtype: bfloat16)")
     rows = _rows(out)
     assert list(rows) == ["FP32", "O1", "O2"]
 
-    fp32 = rows["FP32"].split()
-    assert re.match(r"FP32\s+[\d.]+ ms\s+1\.00x\s+[\d.]+\s+[\d.]+ MiB\s+linear x3 float32, relu x2 float32, loss float32$",
-                    rows["FP32"])
-    assert float(fp32[4]) == pytest.approx(_fp32_reference_loss(), abs=1e-4)
+    f = re.match(r"FP32\s+[\d.]+ ms\s+1\.00x\s+([\d.]+) -> ([\d.]+)\s+[\d.]+ MiB\s+linear x3 float32, relu x2 float32, loss float32$",
+                 rows["FP32"])
+    assert f, rows["FP32"]
+    first, last = _fp32_reference_losses()
+    assert float(f.group(1)) == pytest.approx(first, abs=1e-4) and float(f.group(2)) == pytest.approx(last, abs=1e-4)
+    assert last < first  # the column shows the network learning
 
-    m = re.match(r"O1\s+[\d.]+ ms\s+[\d.]+x\s+([\d.]+)\s+[\d.]+ MiB\s+(.*)$", rows["O1"])
+    m = re.match(r"O1\s+[\d.]+ ms\s+[\d.]+x\s+([\d.]+) -> ([\d.]+)\s+[\d.]+ MiB\s+(.*)$", rows["O1"])
     assert m, rows["O1"]
-    assert m.group(2) == "linear x3 bfloat16, relu x2 bfloat16, loss float32"
-    assert float(m.group(1)) == pytest.approx(float(fp32[4]), rel=0.05)  # BF16 trains the same net
+    assert m.group(3) == "linear x3 bfloat16, relu x2 bfloat16, loss float32"
+    assert float(m.group(2)) == pytest.approx(last, rel=0.05)  # BF16 trains the same net
+    assert float(m.group(2)) < float(m.group(1))
 
     if _o2_available():
-        assert re.match(r"O2\s+[\d.]+ ms\s+[\d.]+x\s+[\d.]+\s+[\d.]+ MiB\s+linear x3 bfloat16", rows["O2"]), rows["O2"]
+        assert re.match(r"O2\s+[\d.]+ ms\s+[\d.]+x\s+[\d.]+ -> [\d.]+\s+[\d.]+ MiB\s+linear x3 bfloat16", rows["O2"]), rows["O2"]
     else:
         assert re.match(r"O2\s+unavailable: .+", rows["O2"])
     assert not amp_patch.is_initialized()

@@ -238,6 +238,24 @@ def test_register_refuses_what_is_no_tensor_op():
             amp_patch.register_half_function(torch, name)
 
 
-def test_removing_is_still_allowed_for_any_name_and_shipped_lists_pass():
+def test_removing_needs_no_tensor_op_but_a_listed_name_and_shipped_lists_pass():
     oplists.load()  # every shipped entry is a tensor op
-    oplists.load({"torch": {"remove": ["save"]}})
+    oplists.load({"torch": {"remove": ["mm"]}})
+    with pytest.raises(ListError, match=r"torch\.remove 'save' is on no list, so there is nothing to remove"):
+        oplists.load({"torch": {"remove": ["save"]}})
+
+
+def test_the_readmes_override_example_loads_and_each_line_does_what_its_comment_says():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "remove:" in b)
+    default = load()
+    table = load(yaml.safe_load(block)).resolve(torch.float16, "cuda")
+    before = default.resolve(torch.float16, "cuda")
+    assert ("torch.nn.functional", "softmax") in before and ("torch.nn.functional", "softmax") not in table
+    assert table[("torch.nn.functional", "linear")].policy == "float"
+    assert table[("torch", "cumsum")].policy == "half"

@@ -490,6 +490,14 @@ def collect_problems(sources: Sequence[ListSource], include_defaults: bool = Tru
             continue
         problems += r.problems
         _check_conflicts(r.entries, problems)
+        if include_defaults:
+            listed = {e.key for e in entries} | {e.key for e in _implied_inplace(entries, removed)}
+            for e in r.removed:
+                if e.key not in listed:
+                    problems.append(
+                        f"{e.source}: {e.namespace}.remove {e.name!r} is on no list, so there is nothing to remove; "
+                        f"drop the entry (`amp-patch lists` shows every listed op)"
+                    )
         # An override moves each op it names out of every other list.
         touched = {e.key for e in r.entries} | {e.key for e in r.removed}
         entries = [e for e in entries if e.key not in touched] + r.entries
