@@ -564,3 +564,76 @@ def test_a_half_buffer_the_model_updates_is_saved_as_it_is_now():
         assert sd["1.running_mean"].dtype == torch.float32
         assert torch.equal(sd["1.running_mean"], model[1].running_mean.float())
         assert sd["1.running_mean"].abs().sum() > 0
+
+
+# ---------------------------------------------------------------- the script changes the model's dtype itself
+
+
+@pytest.mark.parametrize("change", ["half", "float", "to-float32", "to-float16"])
+def test_a_dtype_change_of_a_converted_model_is_refused_at_its_next_forward(change):
+    model = mlp(4, 8, 2, norm="batch")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, "O2", half_dtype=torch.bfloat16, verbosity=0)
+    try:
+        {"half": model.half, "float": model.float, "to-float32": lambda: model.to(torch.float32),
+         "to-float16": lambda: model.to(torch.float16)}[change]()
+        with pytest.raises(amp_patch.StateError, match=r"Sequential's parameters are torch\.float(16|32) now, but amp_patch "
+                           r"converted the model to torch\.bfloat16 at opt_level='O2'.*use a copy \(copy\.deepcopy\(model\)"):
+            model(torch.randn(5, 4))
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_moving_a_converted_model_to_its_own_dtype_or_device_changes_nothing():
+    model = mlp(4, 8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, "O2", half_dtype=torch.bfloat16, verbosity=0)
+    try:
+        x = torch.randn(5, 4)
+        before = model(x)
+        model.to(torch.bfloat16).to("cpu")
+        assert torch.equal(model(x), before) and before.dtype == torch.float32
+    finally:
+        amp_patch.deinitialize()
+
+
+# ---------------------------------------------------------------- evaluation and hooks
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_evaluation_under_no_grad_runs_as_training_does_and_records_no_graph(level):
+    model = mlp(4, 8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, level, half_dtype=torch.bfloat16, cast_model_outputs=torch.float32, verbosity=0)
+    try:
+        x = torch.randn(5, 4)
+        train_out = model(x)
+        model.eval()
+        with torch.no_grad():
+            eval_out = model(x)
+        with torch.inference_mode():
+            inf_out = model(x)
+        assert eval_out.dtype == inf_out.dtype == train_out.dtype == torch.float32
+        assert not eval_out.requires_grad and eval_out.grad_fn is None
+        assert torch.equal(eval_out, train_out.detach()) and torch.equal(inf_out, eval_out)
+    finally:
+        amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_forward_hook_sees_what_the_layer_computed(level):
+    model = mlp(4, 8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    model[0].register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
+    amp_patch.initialize(model, opt, level, half_dtype=torch.bfloat16, verbosity=0)
+    try:
+        model(torch.randn(5, 4))
+        # O1 casts at the op (the input the hook sees is FP32, the output half);
+        # O2 casts the model's input, so the layer sees half in and out
+        assert seen == [(torch.float32 if level == "O1" else torch.bfloat16, torch.bfloat16)]
+    finally:
+        amp_patch.deinitialize()
+    seen.clear()
+    model(torch.randn(5, 4))
+    assert seen == [(torch.float32, torch.float32)]

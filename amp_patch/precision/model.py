@@ -121,19 +121,37 @@ def _masters_of(amp: Any, m: Tensor) -> master.MasterWeights:
 
 class SyncWritten:
     """Forward pre-hook of a converted model: masters written through a
-    ``state_dict()`` view since the last step reach the half model first."""
+    ``state_dict()`` view since the last step reach the half model first.
+
+    It also refuses a forward after the script changed the model's dtype
+    itself (``model.float()``, ``.half()``, ``.to(dtype)``): the half model and
+    its masters no longer match, and torch's own error would not say why.
+    ``probe`` is one converted parameter, ``dtype`` what it was converted to.
+    """
+
+    def __init__(self, probe: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None):
+        self.probe, self.dtype = probe, dtype
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         amp = session.current()
         if amp is None:
             return
+        probe = self.probe
+        if probe is not None and probe.dtype is not self.dtype:
+            raise StateError(
+                f"{type(module).__name__}'s parameters are {probe.dtype} now, but amp_patch converted the model to "
+                f"{self.dtype} at opt_level={amp.props.opt_level!r} and keeps FP32 master weights for it; "
+                f"model.float(), .half() or .to(dtype) after initialize breaks that. To evaluate or export in FP32, "
+                f"use a copy (copy.deepcopy(model) is a plain FP32 model) or call amp_patch.deinitialize() first; "
+                f"for another half dtype, deinitialize and initialize again with half_dtype=..."
+            )
         for h in amp.optimizer_handles.values():
             mw = h.masters
             if mw is not None and mw.versions is not None:
                 mw.sync_written()
 
     def __repr__(self) -> str:
-        return "amp_patch.SyncWritten()"
+        return f"amp_patch.SyncWritten({self.dtype})"
 
 
 class LoadIntoMasters:
@@ -294,7 +312,8 @@ def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep
         if changed and isinstance(mod, nn.RNNBase):
             rec.rnns.append(mod)
             mod.flatten_parameters()
-    rec.handles.append(model.register_forward_pre_hook(SyncWritten()))
+    probe = next((p for p, _ in rec.params if p.dtype == dtype), None)
+    rec.handles.append(model.register_forward_pre_hook(SyncWritten(probe, dtype)))
     rec.handles.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
     rec.handles.append(model.register_forward_hook(CastOutputs(out_dtype)))
     dtypes: Dict[Any, torch.dtype] = {id(p): d for p, d in rec.params}
