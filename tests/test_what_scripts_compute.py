@@ -637,3 +637,26 @@ def test_a_forward_hook_sees_what_the_layer_computed(level):
     seen.clear()
     model(torch.randn(5, 4))
     assert seen == [(torch.float32, torch.float32)]
+
+
+def test_a_write_into_a_frozen_parameters_state_dict_value_reaches_the_half_model_and_survives_the_end():
+    # A frozen backbone under O2: no optimizer owns it, so no master; its
+    # state_dict() value is a view of the exact pre-cast value, as in plain torch.
+    model = mlp(4, 8, 2)
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    amp_patch.initialize(model, opt, "O2", half_dtype=torch.bfloat16, verbosity=0)
+    try:
+        sd = model.state_dict()
+        new = torch.linspace(-1, 1, sd["0.weight"].numel()).reshape(sd["0.weight"].shape)
+        sd["0.weight"].copy_(new)
+        assert torch.equal(model.state_dict()["0.weight"], new)  # saved as written, before any forward
+        x = torch.randn(3, 4)
+        out = model(x)
+        assert torch.equal(model[0].weight, new.to(torch.bfloat16))  # the half model computes with it
+        expected = F.linear(F.relu(F.linear(x.bfloat16(), new.bfloat16(), model[0].bias)), model[2].weight, model[2].bias)
+        assert torch.equal(out, expected.float())
+    finally:
+        amp_patch.deinitialize()
+    assert model[0].weight.dtype == torch.float32 and torch.equal(model[0].weight, new)

@@ -103,12 +103,29 @@ class SaveFP32:
                     state_dict[key] = m.detach().to(to)
             elif p.dtype in LOW and p.dtype != to:
                 exact = _exact_value(p)  # a frozen parameter: its value from before the cast
-                state_dict[key] = exact.detach() if exact is not None and exact.dtype == to else value.detach().to(to)
+                if exact is not None and exact.dtype == to:
+                    state_dict[key] = exact.detach()  # a view, as plain torch's: a write reaches the half model
+                    _hand_out(amp, id(p))
+                else:
+                    state_dict[key] = value.detach().to(to)
         for name, b in module._buffers.items():
             key = prefix + name
             if b is not None and key in state_dict and b.dtype in LOW and b.dtype != to:
                 exact = _exact_buffer(amp, module, name, b)
-                state_dict[key] = exact if exact is not None and exact.dtype == to else state_dict[key].detach().to(to)
+                if exact is not None and exact.dtype == to:
+                    state_dict[key] = exact
+                    _hand_out(amp, (id(module), name))
+                else:
+                    state_dict[key] = state_dict[key].detach().to(to)
+
+
+def _hand_out(amp: Any, key: Any) -> None:
+    """Check the pre-cast value under ``key`` for writes before each forward from now on."""
+    for rec in amp.model_records:
+        e = rec.exact.get(key)
+        if e is not None:
+            rec.handed_out[key] = e
+            return
 
 
 def _masters_of(amp: Any, m: Tensor) -> master.MasterWeights:
@@ -149,6 +166,9 @@ class SyncWritten:
             mw = h.masters
             if mw is not None and mw.versions is not None:
                 mw.sync_written()
+        for rec in amp.model_records:
+            for e in rec.handed_out.values():
+                e.sync()
 
     def __repr__(self) -> str:
         return f"amp_patch.SyncWritten({self.dtype})"
@@ -268,6 +288,8 @@ class _Converted:
         self.copyable = False  # copies.install ran on the model
         #: id(parameter) or (id(module), buffer name) -> _Exact, the pre-cast value
         self.exact: Dict[Any, "_Exact"] = {}
+        #: the ones ``state_dict()`` handed out, checked for writes before each forward
+        self.handed_out: Dict[Any, "_Exact"] = {}
 
 
 def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool, keep: Optional[Filter],
@@ -360,12 +382,23 @@ class _Exact:
     and then its current half value is the truth. The comparison costs one
     pass over the tensor, paid only by those three (never by a step)."""
 
-    __slots__ = ("half", "original")
+    __slots__ = ("half", "original", "version")
 
     def __init__(self, half: Tensor, original: Tensor):
         self.half, self.original = half, original
+        self.version = original._version
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """A write into the value ``state_dict()`` handed out (``sd[k].copy_(v)``,
+        as plain torch allows) reaches the half tensor."""
+        original = self.original
+        if original._version != self.version:
+            self.half.copy_(original)
+            self.version = original._version
 
     def value(self) -> Optional[Tensor]:
+        self.sync()
         half, original = self.half, self.original
         if half.device != original.device or half.shape != original.shape:
             return None
@@ -430,6 +463,7 @@ class _Unconvert:
                 exact = e.value() if e is not None and e.half is b else None
                 mod._buffers[name] = exact if exact is not None else b.to(dtype)
         rec.exact.clear()
+        rec.handed_out.clear()
         for mod in rec.rnns:
             mod.flatten_parameters()
 
