@@ -10,21 +10,28 @@ runs after changing one import (or none, with the launcher or
         scaled_loss.backward()
 
 The functions forward to amp_patch's own; this module only translates
-Apex's conventions: ``enabled=False`` makes everything a pass-through, and
-``state_dict`` speaks Apex's checkpoint format (``loss_scaler0``, ...).
+Apex's conventions: ``enabled=False`` makes everything a pass-through,
+``state_dict`` speaks Apex's checkpoint format (``loss_scaler0``, ...), a
+later ``initialize`` follows Apex's "last call wins", ``_amp_state`` is
+Apex's private state as a live view (``amp_patch.apex.amp_state``), and
+``init`` is the 2018 handle API (``amp_patch.apex.handle``).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import logging
+import sys
 from typing import Any, Dict, Iterator, Optional
 
 import torch
 
 from . import frontend as _frontend
 from . import scaling, session
-from .errors import ConfigError
+from .apex import amp_state as _amp_state_module
+from .apex import handle as _handle_module
+from .apex.amp_state import _amp_state
+from .apex.handle import init
 from .frontend import (
     disable_casts,
     float_function,
@@ -36,6 +43,16 @@ from .frontend import (
 )
 
 log = logging.getLogger("amp_patch")
+
+#: Apex's ``apex.amp`` submodules, served by these modules (the alias serves
+#: ``import apex.amp.frontend`` and the like from this table too)
+SUBMODULES = {
+    "_amp_state": _amp_state_module,
+    "frontend": sys.modules[__name__],
+    "handle": _handle_module,
+    "scaler": _amp_state_module,
+    "amp": sys.modules[__name__],
+}
 
 __all__ = [
     "initialize",
@@ -51,6 +68,7 @@ __all__ = [
     "float_function",
     "promote_function",
     "init",
+    "_amp_state",
 ]
 
 # None until initialize is called; False after initialize(enabled=False),
@@ -106,6 +124,18 @@ def initialize(
         half_dtype: amp_patch's keyword, not Apex's: ``torch.float16`` or
             ``torch.bfloat16`` (default: FP16 on CUDA, BF16 on CPU; O4/O5 BF16).
 
+    Calling it again works as in Apex, where the last call sets the
+    properties and the loss scalers anew: a call with the running settings
+    adds its models and optimizers to the run (those already in it stay as
+    they are) and restarts the loss scalers with its ``num_losses``; a call
+    with other settings (another opt level, say) ends the earlier run, with
+    a warning saying what its models and optimizers went back to, and starts
+    its own. ``amp_patch.initialize`` keeps its stricter rule.
+
+    Set ``amp._amp_state.allow_incoming_model_not_fp32 = True`` first to
+    pass a model that is already FP16 at O1; the optimizer then steps its
+    FP16 parameters (with loss scaling), as Apex did.
+
     Returns:
         ``models`` or ``(models, optimizers)``, in the structure given.
 
@@ -133,9 +163,12 @@ def initialize(
         min_loss_scale=min_loss_scale,
     )
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    out = _frontend.initialize(
-        models, optimizers, opt_level, half_dtype=half_dtype, verbosity=verbosity,
-        num_losses=num_losses, max_loss_scale=max_loss_scale, **overrides,
+    if _amp_state.allow_incoming_model_not_fp32:
+        overrides["allow_half_params"] = True
+    _amp_state.verbosity = verbosity
+    out = _frontend.enter(
+        models, optimizers, opt_level, half_dtype, None, verbosity,
+        dict(num_losses=num_losses, max_loss_scale=max_loss_scale, **overrides), apex_rules=True,
     )
     _enabled = True
     return out
@@ -227,14 +260,9 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
     scaling.load_state_dict(state_dict, strict=False)
 
 
-def init(*args: Any, **kwargs: Any) -> Any:
-    """apex.amp.init, Apex's deprecated handle API: not provided.
-
-    Raises:
-        ConfigError: always, saying what to call instead.
-    """
-    raise ConfigError(
-        "amp.init() (Apex's old handle API) is not supported; replace `handle = amp.init()` and "
-        "`handle.scale_loss(...)` with `model, optimizer = amp.initialize(model, optimizer, "
-        "opt_level='O1')` and `with amp.scale_loss(loss, optimizer) as scaled_loss:`"
-    )
+def __getattr__(name: str) -> Any:
+    # Apex's submodules that scripts reach through the package
+    # (`apex.amp.frontend._amp_state`, `apex.amp.handle.AmpHandle`)
+    if name in SUBMODULES:
+        return SUBMODULES[name]
+    raise AttributeError(f"module 'apex.amp' has no attribute {name!r}")

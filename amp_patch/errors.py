@@ -25,9 +25,13 @@ class BannedOpError(AmpError, NotImplementedError):
     """
 
 
-class CastError(AmpError, RuntimeError):
+class CastError(AmpError, NotImplementedError):
     """A call cannot run in the precision its policy asks for (e.g. an
-    in-place FP32 op on an FP16 tensor)."""
+    in-place FP32 op on an FP16 tensor).
+
+    A ``NotImplementedError`` (and so a ``RuntimeError``), as apex.amp's
+    refusal was, so scripts that catch either keep working.
+    """
 
 
 class StateError(AmpError, RuntimeError):

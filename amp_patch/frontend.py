@@ -193,16 +193,24 @@ def initialize(
             optimizer.step()       # skipped when gradients overflowed
         amp_patch.deinitialize()   # torch exactly as before
     """
+    return enter(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides)
+
+
+def enter(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides, apex_rules=False):
+    """``initialize`` under the lock; ``apex_rules`` as in ``_initialize``."""
     with _lock:
         amp = session.current()
         if amp is None:
-            return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides)
+            return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides, apex_rules)
         # a running session changes only between other threads' forwards, backwards and steps
-        with amp.flight.hold("amp_patch.initialize()"):
-            return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides)
+        with amp.flight.hold("amp.initialize()" if apex_rules else "amp_patch.initialize()"):
+            return _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides, apex_rules)
 
 
-def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides):
+def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, overrides, apex_rules=False):
+    """``initialize``'s work. ``apex_rules``: the call comes through ``amp.initialize``,
+    where Apex's "last call wins" replaces the strict rule for a running session
+    (see ``_apex_rerun``)."""
     model_list, models_were_list = _as_list(models, torch.nn.Module, "models")
     opt_list, opts_were_list = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
     # What the launcher (or amp_patch.auto) started is provisional: a script's
@@ -237,12 +245,25 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         )
     table = oplists.load(lists).resolve(props.half_dtype, device_type) if props.patch_torch_functions else None
     validate_options(props, options)
-    model_side.validate(model_list, props, options)
-    optimizers_side.validate(model_list, opt_list, props, options, running)
+    replaced = None
+    if apex_rules and running is not None:
+        running, replaced, new_models, new_opts = _apex_rerun(running, props, lists, model_list, opt_list)
+    else:
+        new_models, new_opts = model_list, opt_list
+    model_side.validate(new_models, props, options)
+    optimizers_side.validate(new_models, new_opts, props, options, running)
 
+    if replaced is not None:
+        # every check passed: only now does the earlier run end
+        diagnostics.warn_user(replaced.farewell(props))
+        try:
+            scaling_state.settle(replaced.amp)
+        finally:
+            replaced.amp.end()
     amp = running
     fresh = amp is None
-    if not fresh:
+    # under Apex's rule a later call joins the run as _apex_rerun decided; else the strict checks
+    if not fresh and not apex_rules:
         if amp.props != props:
             raise ConfigError(
                 f"amp_patch is already initialized with opt_level={amp.props.opt_level!r}, "
@@ -262,7 +283,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
                 f"initialize set them. Leave them out of this call (or pass the running values), or call "
                 f"amp_patch.deinitialize() and initialize everything in one call."
             )
-    else:
+    elif fresh:
         if prov is not None:
             prov.end()
         amp = Session(props, table, device_type, options)
@@ -273,12 +294,14 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     try:
         if fresh:
             session.set_current(amp)
-        originals = model_side.attach(amp, model_list, options)
-        built = optimizers_side.attach(amp, model_list, opt_list, originals, options)
-        inflight.watch(amp, model_list)
-        optimizer_scaling.attach(amp, opt_list, built)
-        amp.extend(amp.models, model_list)
-        amp.extend(amp.optimizers, opt_list)
+        elif apex_rules:
+            scaling_state.restart(amp, options)
+        originals = model_side.attach(amp, new_models, options)
+        built = optimizers_side.attach(amp, new_models, new_opts, originals, options)
+        inflight.watch(amp, new_models)
+        optimizer_scaling.attach(amp, new_opts, built)
+        amp.extend(amp.models, new_models)
+        amp.extend(amp.optimizers, new_opts)
         if fresh:
             if props.patch_torch_functions:
                 amp.patch(_patch_items(amp) + _dataloader_items())
@@ -296,9 +319,55 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         raise
     if fresh and options.verbosity:
         log.info("amp_patch: initialized %s with %s", props.opt_level, props.half_dtype)
-        diagnostics.warn_at_initialize(amp, model_list, opt_list)
+        diagnostics.warn_at_initialize(amp, new_models, new_opts)
 
     return _returned(models, model_list, models_were_list, optimizers, opt_list, opts_were_list)
+
+
+class _Replaced:
+    """A running session that an ``amp.initialize`` with other settings ends."""
+
+    def __init__(self, amp: Session):
+        self.amp = amp
+
+    def farewell(self, props: Properties) -> str:
+        """What happens to the earlier run, in one warning."""
+        old = self.amp.props
+        lost = []
+        if old.cast_model_type in (torch.float16, torch.bfloat16):
+            lost.append(f"its {len(self.amp.models)} model(s) are FP32 again")
+        if old.patch_torch_functions:
+            lost.append("torch functions are no longer cast for them")
+        if self.amp.optimizers:
+            lost.append(f"its {len(self.amp.optimizers)} optimizer(s) are plain torch optimizers again (no loss scaling, no masters)")
+        lost.append("the loss scalers start anew")
+        return (
+            f"amp.initialize(opt_level={props.opt_level!r}, half dtype {props.half_dtype}) replaced the running "
+            f"{old.opt_level} ({old.half_dtype}) run: as in Apex, the last call sets the properties and the loss "
+            f"scalers anew. Of the earlier run, {'; '.join(lost)}. To keep every model mixed, initialize them all "
+            f"in one call: amp.initialize([model1, model2], [opt1, opt2], opt_level=...)"
+        )
+
+
+def _apex_rerun(running: Session, props: Properties, lists: Any, models: List[Any], opts: List[Any]):
+    """Apex's rule for another ``amp.initialize`` while a run is on.
+
+    Apex set its properties and loss scalers anew at every call and left the
+    earlier models as they were. Here a call with the running settings joins
+    the run (the models and optimizers it already holds stay as they are, the
+    loss scalers restart with this call's settings, ``scaling.state.restart``);
+    a call with other settings ends the earlier run, once every check of the
+    new one has passed, and says so.
+
+    Returns:
+        ``(session to join or None, _Replaced or None, models to attach, optimizers to attach)``.
+    """
+    if running.props != props or lists is not None:
+        return None, _Replaced(running), models, opts
+    held = running.optimizer_handles
+    new_models = [m for m in models if not any(m is x for x in running.models)]
+    new_opts = [o for o in opts if not (id(o) in held and held[id(o)].optimizer is o and held[id(o)].patched)]
+    return running, None, new_models, new_opts
 
 
 def _returned(models, model_list, models_were_list, optimizers, opt_list, opts_were_list):

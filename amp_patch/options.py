@@ -11,7 +11,8 @@ Two kinds of option:
   statistics, overflow provenance, verbosity. The first ``initialize`` sets
   them; a later call that names a different value is refused with the
   difference (leaving one out keeps the running value).
-- **Per call** (``keep_fp32``, ``save_dtype``, ``fused_update``): they apply to
+- **Per call** (``keep_fp32``, ``save_dtype``, ``fused_update``,
+  ``allow_half_params``): they apply to
   the models and optimizers of the call that gives them.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ MAX_CONSECUTIVE_SKIPS = 20
 SCALER = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
           "min_loss_scale", "max_loss_scale")
 SESSION_WIDE = ("num_losses",) + SCALER + ("max_consecutive_skips", "collect_stats", "find_overflow", "verbosity")
-PER_CALL = ("keep_fp32", "save_dtype", "fused_update", "enabled")
+PER_CALL = ("keep_fp32", "save_dtype", "fused_update", "enabled", "allow_half_params")
 
 KeepFP32 = Union[None, Tuple[str, ...], Callable[[torch.nn.Module, str], bool]]
 
@@ -57,11 +58,14 @@ class Options:
     save_dtype: torch.dtype = torch.float32
     fused_update: bool = False
     enabled: bool = True
+    #: O1/O4: accept FP16/BF16 parameters in the optimizer and step them as they
+    #: are (Apex's ``_amp_state.allow_incoming_model_not_fp32``)
+    allow_half_params: bool = False
     #: the names the caller passed, so a later call compares only those
     given: FrozenSet[str] = dataclasses.field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("collect_stats", "find_overflow", "fused_update", "enabled"):
+        for name in ("collect_stats", "find_overflow", "fused_update", "enabled", "allow_half_params"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"initialize: {name}={getattr(self, name)!r} must be True or False")
         _count("num_losses", self.num_losses, "one loss scaler per loss")

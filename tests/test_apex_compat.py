@@ -33,6 +33,7 @@ APEX_SIGNATURES = {
     "register_half_function": "(module, name)",
     "register_float_function": "(module, name)",
     "register_promote_function": "(module, name)",
+    "init": "(enabled=True, loss_scale='dynamic', enable_caching=True, verbose=False, allow_banned=False)",
 }
 
 
@@ -81,11 +82,6 @@ def test_registration_and_casting_helpers_are_amp_patchs_own():
     for name in ("register_half_function", "register_float_function", "register_promote_function",
                  "half_function", "float_function", "promote_function", "disable_casts"):
         assert getattr(amp, name) is getattr(amp_patch, name), name
-
-
-def test_old_handle_api_says_what_to_call_instead():
-    with pytest.raises(ConfigError, match=r"amp.init\(\).*amp.initialize\(model, optimizer"):
-        amp.init()
 
 
 # ------------------------------------------------------------ enabled=False
@@ -268,16 +264,27 @@ def test_alias_serves_apex_amp_when_apex_is_absent(clean_apex):
     assert len(announcements(clean_apex)) == 1
 
 
-def test_alias_names_the_replacement_of_other_apex_modules(clean_apex):
+def test_alias_names_the_replacement_of_apex_modules_it_does_not_serve(clean_apex):
     amp_patch.install_apex_alias()
-    with pytest.raises(ModuleNotFoundError, match=r"apex.parallel.*torch.nn.parallel.DistributedDataParallel"):
-        import apex.parallel  # noqa: F401
-    with pytest.raises(ImportError, match=r"apex.optimizers.*AdamW\(\.\.\., fused=True\)"):
-        from apex.optimizers import FusedAdam  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match=r"apex.contrib.*scaled_dot_product_attention"):
+        import apex.contrib  # noqa: F401
+    with pytest.raises(ImportError, match=r"apex.mlp.*nn.Linear"):
+        from apex.mlp import MLP  # noqa: F401
     import apex
 
-    with pytest.raises(AttributeError, match=r"normalization.*torch.nn.LayerNorm"):
-        apex.normalization
+    with pytest.raises(AttributeError, match=r"transformer.*tensor.parallel"):
+        apex.transformer
+
+
+def test_alias_serves_apex_amps_private_modules_without_hiding_the_state(clean_apex):
+    amp_patch.install_apex_alias()
+    import apex.amp._amp_state
+    import apex.amp.frontend
+    from apex.amp._amp_state import _amp_state
+
+    assert apex.amp._amp_state is _amp_state is amp._amp_state  # the object, as in Apex
+    assert apex.amp.frontend._amp_state is _amp_state
+    assert sys.modules["apex.amp._amp_state"].maybe_print is not None
 
 
 def test_removing_the_alias_leaves_no_apex(clean_apex):

@@ -1,18 +1,23 @@
-"""The ``apex`` alias: ``import apex`` / ``from apex import amp`` resolve to amp_patch.
+"""The ``apex`` alias: Apex-era imports resolve to amp_patch's stand-ins.
 
-Apex's ``apex.amp`` is gone from current Apex releases, and many training
-scripts still import it. ``install_apex_alias()`` makes those imports work
-unchanged, but only when no real ``apex.amp`` can be imported: a real one is
+Current Apex releases deleted ``apex.amp``, ``apex.parallel`` and
+``apex.fp16_utils``, and ship ``apex.optimizers``, ``apex.normalization`` and
+``amp_C`` only as CUDA extensions that many installs cannot build. Scripts
+still import them. ``install_apex_alias()`` makes those imports work
+unchanged; a real module of the same name, where one can be imported, is
 always left in charge.
 
 Two cases:
 
 * no ``apex`` at all: an import hook serves a stand-in ``apex`` package whose
-  ``amp`` is ``amp_patch.amp``, only when a script imports it; importing any
-  other ``apex.*`` module (``apex.parallel``, ``apex.optimizers`` ...) fails
-  with a message naming the torch replacement.
-* an ``apex`` without ``amp`` (newer Apex, kept for its fused kernels): only
-  ``apex.amp`` is added; the rest of the real package is untouched.
+  modules are the stand-ins in ``STANDINS`` (``apex.amp`` is
+  ``amp_patch.amp``, ``apex.parallel`` is ``amp_patch.apex.parallel``, ...),
+  each only when a script imports it. Importing an Apex module amp_patch
+  does not serve (``apex.contrib``, ...) fails with a message naming the
+  torch replacement.
+* an ``apex`` without ``amp`` (newer Apex, kept for its fused kernels): the
+  stand-ins are served only for the modules that Apex lacks; the rest of the
+  real package is untouched.
 """
 from __future__ import annotations
 
@@ -24,21 +29,34 @@ import logging
 import sys
 import threading
 import types
-from typing import Optional
+from typing import Any, Optional
 
 from .. import amp
 
 log = logging.getLogger("amp_patch")
 
-#: what to use instead of the Apex modules the stand-in package does not have
+#: Apex's modules (and Apex's compiled ``amp_C``) that amp_patch serves, and the
+#: module that stands in for each; a submodule (``apex.parallel.LARC``) is the
+#: stand-in's submodule of the same name
+STANDINS = {
+    "apex.amp": "amp_patch.amp",
+    "apex.parallel": "amp_patch.apex.parallel",
+    "apex.fp16_utils": "amp_patch.apex.fp16_utils",
+    "apex.optimizers": "amp_patch.apex.optimizers",
+    "apex.normalization": "amp_patch.apex.normalization",
+    "apex.multi_tensor_apply": "amp_patch.apex.multi_tensor_apply",
+    "amp_C": "amp_patch.apex.amp_C",
+}
+
+#: what to use instead of the Apex modules amp_patch does not serve
 REPLACEMENTS = {
-    "apex.parallel": "torch.nn.parallel.DistributedDataParallel, and "
-    "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) for convert_syncbn_model",
-    "apex.optimizers": "torch.optim.AdamW(..., fused=True) / torch.optim.Adam(..., fused=True) "
-    "for FusedAdam, torch.optim.SGD(..., fused=True) for FusedSGD",
-    "apex.normalization": "torch.nn.LayerNorm / torch.nn.RMSNorm (fused kernels on CUDA) for FusedLayerNorm",
-    "apex.fp16_utils": "amp_patch.initialize(model, optimizer, opt_level='O2') for FP16_Optimizer and network_to_half",
-    "apex.contrib": "the torch equivalents of the kernel you used (torch.nn.functional.scaled_dot_product_attention, fused optimizers)",
+    "apex.contrib": "the torch equivalents of the kernel you used (torch.nn.functional.scaled_dot_product_attention, "
+    "torch.optim's fused optimizers, torch.nn.SyncBatchNorm)",
+    "apex.transformer": "torch.distributed.tensor.parallel (tensor parallelism) or Megatron-Core",
+    "apex.mlp": "a torch.nn.Sequential of nn.Linear and activations (torch.compile fuses it)",
+    "apex.fused_dense": "torch.nn.Linear (torch.compile fuses bias and activation)",
+    "apex.RNN": "torch.nn.LSTM / torch.nn.GRU",
+    "apex.reparameterization": "torch.nn.utils.parametrizations.weight_norm",
 }
 
 _lock = threading.Lock()
@@ -49,47 +67,80 @@ _announced = False
 
 def _hint(fullname: str) -> str:
     top = ".".join(fullname.split(".")[:2])
+    served = ", ".join(n for n in STANDINS if n.startswith("apex."))
     return (
-        f"Apex is not installed, and amp_patch's apex alias provides only apex.amp. "
+        f"Apex is not installed, and amp_patch's apex alias serves only {served}. "
         f"Use {REPLACEMENTS.get(top, 'its torch equivalent')}."
     )
 
 
+def standin_of(fullname: str) -> Any:
+    """The module name (or, for ``apex.amp``'s submodules, the module) that
+    stands in for ``fullname``, or None when amp_patch serves no such module."""
+    if fullname.startswith("apex.amp."):
+        sub = fullname[len("apex.amp."):]
+        return amp.SUBMODULES.get(sub)
+    for name, target in STANDINS.items():
+        if fullname == name or fullname.startswith(name + "."):
+            return target + fullname[len(name):]
+    return None
+
+
+def _real_spec(fullname: str, path: Any) -> Any:
+    """The spec of a real module of this name, looking past this finder."""
+    try:
+        return importlib.machinery.PathFinder.find_spec(fullname, path)
+    except (ImportError, ValueError):
+        return None
+
+
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves ``apex`` (when Apex is absent) and ``apex.amp`` on import, lazily,
-    and turns imports of Apex's other modules into errors that say what to use."""
+    """Serves ``apex`` (when Apex is absent) and the stand-ins, lazily, and
+    turns imports of the Apex modules amp_patch lacks into errors that say what to use."""
 
     def __init__(self, stand_in: bool):
         self.stand_in = stand_in
+        self._specs: dict = {}  # served name -> the stand-in's own spec, put back after loading
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == "apex.amp":
-            return importlib.machinery.ModuleSpec(fullname, self)
-        if not self.stand_in:
-            return None
         if fullname == "apex":
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        if fullname.startswith("apex."):
-            raise ModuleNotFoundError(f"No module named {fullname!r}: {_hint(fullname)}", name=fullname)
-        return None
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True) if self.stand_in else None
+        if fullname != "amp_C" and not fullname.startswith("apex."):
+            return None
+        standin = standin_of(fullname)
+        if standin is None:
+            if self.stand_in and fullname.startswith("apex."):
+                raise ModuleNotFoundError(f"No module named {fullname!r}: {_hint(fullname)}", name=fullname)
+            return None
+        if fullname != "apex.amp" and not fullname.startswith("apex.amp.") and _real_spec(fullname, path) is not None:
+            return None  # a real Apex module (or a real amp_C) stays in charge
+        module = standin if isinstance(standin, types.ModuleType) else importlib.import_module(standin)
+        self._specs[fullname] = module.__spec__
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=hasattr(module, "__path__"))
 
     def create_module(self, spec):
         if spec.name == "apex":
-            pkg = types.ModuleType("apex", "Stand-in for NVIDIA Apex: only apex.amp, served by amp_patch.amp.")
+            pkg = types.ModuleType("apex", "Stand-in for NVIDIA Apex, served by amp_patch (see amp_patch.apex).")
             pkg.__getattr__ = _package_getattr  # `import apex; apex.amp.scale_loss(...)`
             return pkg
-        self._amp_spec = amp.__spec__
-        return amp
+        standin = standin_of(spec.name)
+        return standin if isinstance(standin, types.ModuleType) else importlib.import_module(standin)
 
     def exec_module(self, module):
-        if module.__name__ == "amp_patch.amp":
-            module.__spec__ = self._amp_spec  # the import system rewrote it to apex.amp's
-        _announce()
+        own = self._specs.pop(module.__spec__.name, None)
+        if own is not None:
+            module.__spec__ = own  # the import system rewrote it to the served name's
+        if module is amp:
+            # Apex's submodules are names in sys.modules, never attributes set on
+            # amp (an attribute `_amp_state` must stay the state object, as in Apex)
+            for sub, mod in amp.SUBMODULES.items():
+                sys.modules.setdefault(f"apex.amp.{sub}", mod)
+            _announce()
 
 
 def _package_getattr(name: str):
-    if name == "amp":
-        return importlib.import_module("apex.amp")
+    if standin_of(f"apex.{name}") is not None:
+        return importlib.import_module(f"apex.{name}")
     raise AttributeError(f"module 'apex' has no attribute {name!r}: {_hint('apex.' + name)}")
 
 
@@ -106,12 +157,15 @@ def _real_apex_amp_importable() -> bool:
 
 
 def install_apex_alias() -> bool:
-    """Make ``import apex`` / ``from apex import amp`` resolve to amp_patch.
+    """Make Apex-era imports (``from apex import amp``, ``from apex.parallel import
+    DistributedDataParallel``, ``from apex.fp16_utils import *``, ``import amp_C``,
+    ...) resolve to amp_patch's stand-ins (``STANDINS``).
 
     Does nothing when a real ``apex.amp`` is importable. Otherwise ``apex.amp``
     becomes ``amp_patch.amp`` (with a stand-in ``apex`` package if Apex is
-    absent altogether), and the first import of it says so once through the
-    ``amp_patch`` logger. Calling it again is harmless. The launcher
+    absent altogether), every other module in ``STANDINS`` is served where no
+    real one exists, and the first import of ``apex.amp`` says so once through
+    the ``amp_patch`` logger. Calling it again is harmless. The launcher
     (``amp-patch run``) calls it for you.
 
     Returns:
@@ -171,13 +225,19 @@ def remove_apex_alias() -> None:
             sys.meta_path.remove(_finder)
         except ValueError:
             pass
-        if sys.modules.get("apex.amp") is amp:
-            del sys.modules["apex.amp"]
+        served = []
+        for name in [n for n in sys.modules if n == "amp_C" or n.startswith("apex.")]:
+            standin = standin_of(name)
+            module = standin if isinstance(standin, types.ModuleType) else sys.modules.get(standin or "")
+            if module is not None and sys.modules[name] is module:
+                served.append(module)
+                del sys.modules[name]
         apex = sys.modules.get("apex")
         if apex is not None and getattr(apex, "__spec__", None) is not None and apex.__spec__.loader is _finder:
             del sys.modules["apex"]
-        if _real_apex is not None and vars(_real_apex).get("amp") is amp:
-            del _real_apex.amp
+        if _real_apex is not None:
+            for key in [k for k, v in vars(_real_apex).items() if v is amp or any(v is m for m in served)]:
+                delattr(_real_apex, key)
         _finder = _real_apex = None
 
 

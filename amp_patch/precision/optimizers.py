@@ -56,7 +56,7 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
                             f"parameter can belong to one optimizer only"
                         )
                     owner[id(p)] = i
-    elif props.cast_model_type is None:
+    elif props.cast_model_type is None and not options.allow_half_params:
         for i, opt in enumerate(optimizers):
             for g, group in enumerate(opt.param_groups):
                 for j, p in enumerate(group["params"]):

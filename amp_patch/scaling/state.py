@@ -11,6 +11,7 @@ accumulation unscales once.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -20,7 +21,7 @@ import torch
 
 from .. import diagnostics
 from ..errors import OverflowLoopError, StateError
-from ..options import Options
+from ..options import SESSION_WIDE, Options
 from ..precision import master
 from .scaler import LossScaler
 
@@ -380,6 +381,62 @@ def settle(amp: Any) -> None:
             f"amp_patch would have skipped. Those gradients were dropped (set to None), so an optimizer.step() "
             f"after deinitialize changes nothing; run the next backward before stepping."
         )
+
+
+class _Restore:
+    """Undo of ``restart``: the session's options and loss scalers as they were."""
+
+    def __init__(self, amp: Any):
+        self.amp, self.options = amp, amp.options
+        self.scalers = list(amp.run.scalers) if amp.run is not None else None
+
+    def __call__(self) -> None:
+        self.amp.options = self.options
+        run = self.amp.run
+        if run is not None and self.scalers is not None:
+            run.scalers[:] = self.scalers
+            self.amp.scalers[:] = self.scalers
+            run.max_skips = self.options.max_consecutive_skips
+            run.notices.verbosity = self.options.verbosity
+            run.refresh_plain()
+
+
+def restart(amp: Any, options: Options) -> None:
+    """Apex's rule for a later ``amp.initialize``: its session-wide options are
+    the run's from now on, and the loss scalers start anew from them.
+
+    Gradients a backward left scaled are unscaled and checked first, with the
+    scale they were made with, so the next step is right (and skipped if they
+    overflowed). Pushes its undo onto the session's stack.
+    """
+    run = amp.run
+    if run is not None:
+        try:
+            decide_skips(run)
+        except OverflowLoopError:
+            pass  # the skip decision is made; the new scalers start over
+    amp.undo.push(_Restore(amp))
+    amp.options = dataclasses.replace(
+        amp.options, **{k: getattr(options, k) for k in SESSION_WIDE if k in options.given}
+    )
+    if run is not None:
+        opts = amp.options
+        run.scalers[:] = [LossScaler(amp.props.loss_scale, **opts.scaler_kwargs()) for _ in range(opts.num_losses)]
+        amp.scalers[:] = run.scalers
+        run.max_skips = opts.max_consecutive_skips
+        run.notices.verbosity = opts.verbosity
+        run.refresh_plain()
+
+
+def add_losses(amp: Any, n: int) -> None:
+    """Grow the run to ``n`` loss scalers (Apex's ``wrap_optimizer(num_loss=n)``);
+    the new ones start from the run's settings. Pushes its undo."""
+    run = run_of(amp)
+    amp.undo.push(_Restore(amp))
+    amp.options = dataclasses.replace(amp.options, num_losses=n)
+    while len(run.scalers) < n:
+        run.scalers.append(LossScaler(amp.props.loss_scale, **amp.options.scaler_kwargs()))
+    amp.scalers[:] = run.scalers
 
 
 def _on_overflow(run: Run, loss_id: int, scaler: LossScaler, before: float) -> None:

@@ -1,0 +1,251 @@
+"""``apex.amp._amp_state``: Apex's private state object, as a live view of amp_patch's.
+
+Apex kept one ``AmpState`` object that its modules shared, and scripts reached
+into it: ``amp._amp_state.loss_scalers[0].loss_scale()`` to log the scale,
+``..._loss_scale = 2**20`` to set it, ``_amp_state.opt_properties.opt_level``
+to see what ``initialize`` chose, ``_amp_state.handle._deactivate()`` to undo
+O1's patches, ``_amp_state.allow_incoming_model_not_fp32 = True`` to train a
+model that arrives in FP16. This module keeps nothing of its own beyond those
+user-set flags: every read and write goes to the running session, so the
+view can never disagree with what amp_patch does.
+
+As in Apex, ``opt_properties``, ``loss_scalers`` and ``handle`` are absent
+(``hasattr`` is False) until ``amp.initialize`` has run.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, List
+
+import torch
+
+from .. import session
+from ..patching.wrappers import pop_disabled, push_disabled
+from ..scaling import master_params as _masters
+from ..scaling import state as scaling_state
+
+log = logging.getLogger("amp_patch")
+
+__all__ = ["AmpState", "LossScaler", "Properties", "master_params", "maybe_print", "warn_or_err", "_amp_state"]
+
+
+def _running(what: str) -> Any:
+    amp = session.current()
+    if amp is None:
+        # AttributeError keeps Apex's `hasattr(_amp_state, "loss_scalers")` test working
+        raise AttributeError(
+            f"_amp_state.{what}: amp is not initialized; call amp.initialize(model, optimizer, opt_level=...) first"
+        )
+    return amp
+
+
+class LossScaler:
+    """Apex's ``amp.scaler.LossScaler`` surface over one of amp_patch's loss scalers.
+
+    ``loss_scale()``, ``_loss_scale`` (readable and writable), ``_unskipped``
+    (clean steps since the last change), ``dynamic``, ``_min_loss_scale``,
+    ``_max_loss_scale`` and ``_scale_seq_len`` (the growth interval) read and
+    write the running scaler of loss ``index``.
+
+    Example::
+
+        from apex import amp
+        amp._amp_state.loss_scalers[0]._loss_scale = 2.0**20
+        print(amp._amp_state.loss_scalers[0].loss_scale())
+    """
+
+    def __init__(self, index: int):
+        self._index = index
+
+    def _scaler(self) -> Any:
+        run = scaling_state.run_of(_running("loss_scalers"))
+        if self._index >= len(run.scalers):
+            raise IndexError(
+                f"loss scaler {self._index} is gone: the last amp.initialize asked for num_losses={len(run.scalers)}"
+            )
+        return run.scalers[self._index]
+
+    def loss_scale(self) -> float:
+        """The current loss scale."""
+        return self._scaler().scale
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaler().scale
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: Any) -> None:
+        scaler = self._scaler()
+        value = float(value.item() if isinstance(value, torch.Tensor) else value)
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"_loss_scale={value!r}: a loss scale must be a finite number > 0")
+        scaler.scale = value
+        # a static scaler of 1.0 does no work; one given another scale must start scaling
+        scaler.active = scaler.dynamic or value != 1.0
+        scaling_state.run_of(_running("loss_scalers")).refresh_plain()
+
+    @property
+    def _unskipped(self) -> int:
+        return self._scaler().growth_tracker
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        self._scaler().growth_tracker = int(value)
+
+    @property
+    def dynamic(self) -> bool:
+        return self._scaler().dynamic
+
+    @property
+    def _min_loss_scale(self) -> float:
+        return self._scaler().min_scale
+
+    @property
+    def _max_loss_scale(self) -> float:
+        return self._scaler().max_scale
+
+    @property
+    def _scale_seq_len(self) -> int:
+        return self._scaler().growth_interval
+
+    def __repr__(self) -> str:
+        try:
+            s = self._scaler()
+        except (AttributeError, IndexError) as e:
+            return f"<apex LossScaler {self._index}: {e}>"
+        return f"<apex LossScaler {self._index}: loss_scale={s.scale:g}, dynamic={s.dynamic}, unskipped={s.growth_tracker}>"
+
+
+class Properties:
+    """Apex's ``opt_properties``: what the last ``amp.initialize`` resolved, read-only.
+
+    Attributes under Apex's names (``enabled``, ``opt_level``,
+    ``cast_model_type``, ``patch_torch_functions``, ``keep_batchnorm_fp32``,
+    ``master_weights``, ``loss_scale``) and Apex's ``options`` dict.
+    """
+
+    NAMES = ("enabled", "opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
+             "master_weights", "loss_scale")
+
+    @property
+    def options(self) -> dict:
+        return {name: getattr(self, name) for name in self.NAMES}
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "enabled":
+            return True
+        if name in self.NAMES:
+            props = _running("opt_properties").props
+            return getattr(props, name)
+        raise AttributeError(f"'Properties' object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"opt_properties.{name} cannot be changed after amp.initialize; pass {name}={value!r} to amp.initialize"
+        )
+
+
+class Handle:
+    """Apex's O1 handle: ``is_active()``, ``_deactivate()``, ``_disable_casts()``.
+
+    ``_deactivate()`` takes amp_patch's function patches off (torch's
+    functions are its own again, as Apex's ``_deactivate`` restored them);
+    models, optimizers and loss scaling stay until ``deinitialize``.
+    """
+
+    def is_active(self) -> bool:
+        amp = session.current()
+        return amp is not None and len(amp.patcher) > 0
+
+    def _deactivate(self) -> None:
+        amp = session.current()
+        if amp is not None:
+            amp.patcher.undo()
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        push_disabled()
+        try:
+            yield
+        finally:
+            pop_disabled()
+
+    def _clear_cache(self) -> None:
+        amp = session.current()
+        if amp is not None:
+            amp.cache.clear()
+
+    @property
+    def has_cache(self) -> bool:
+        return True
+
+    @property
+    def verbose(self) -> bool:
+        return _amp_state.verbosity > 1
+
+
+class AmpState:
+    """Apex's ``_amp_state``: the flags a script sets, and live views of the run.
+
+    ``allow_incoming_model_not_fp32``: set it before ``amp.initialize`` to
+    accept a model whose parameters are already FP16 at O1; the optimizer
+    then steps them as they are, as Apex did. ``hard_override`` and
+    ``verbosity`` are kept for scripts that read or set them.
+    """
+
+    def __init__(self) -> None:
+        self.hard_override = False
+        self.allow_incoming_model_not_fp32 = False
+        self.verbosity = 1
+
+    @property
+    def opt_properties(self) -> Properties:
+        _running("opt_properties")
+        return _PROPERTIES
+
+    @property
+    def loss_scalers(self) -> List[LossScaler]:
+        run = scaling_state.run_of(_running("loss_scalers"))
+        return [LossScaler(i) for i in range(len(run.scalers))]
+
+    @property
+    def handle(self) -> Handle:
+        amp = _running("handle")
+        if not amp.props.patch_torch_functions:
+            raise AttributeError("_amp_state.handle: Apex makes the handle only at O1 (function patching)")
+        return _HANDLE
+
+    @property
+    def min_loss_scale(self) -> float:
+        return scaling_state.run_of(_running("min_loss_scale")).scalers[0].min_scale
+
+    @property
+    def max_loss_scale(self) -> float:
+        return scaling_state.run_of(_running("max_loss_scale")).scalers[0].max_scale
+
+
+_PROPERTIES = object.__new__(Properties)
+_HANDLE = Handle()
+_amp_state = AmpState()
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The parameters ``optimizer`` steps: FP32 masters under O2 (``apex.amp._amp_state.master_params``)."""
+    if session.current() is None:
+        return (p for group in optimizer.param_groups for p in group["params"])
+    return _masters(optimizer)
+
+
+def maybe_print(msg: str, rank0: bool = False) -> None:
+    """Apex's ``maybe_print``: a message unless ``verbosity`` is 0 (logged, on rank 0 when asked)."""
+    if _amp_state.verbosity > 0 and (not rank0 or scaling_state.is_rank0()):
+        log.info("%s", msg)
+
+
+def warn_or_err(msg: str) -> None:
+    """Apex's ``warn_or_err``: a warning under ``hard_override``, else RuntimeError."""
+    if _amp_state.hard_override:
+        log.warning("Warning:  %s", msg)
+    else:
+        raise RuntimeError(msg)
