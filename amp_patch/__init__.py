@@ -4,11 +4,6 @@
 
 See the README for the opt levels, the op lists and the apex.amp drop-in.
 """
-# torch imports torch._dynamo lazily, on the first optimizer.step(); that
-# import rebinds torch.manual_seed and adds submodules to vars(torch). Doing it
-# now keeps vars(torch) stable between initialize() and deinitialize(), so
-# "torch exactly as it was" is checkable by comparing vars().
-import torch._dynamo  # noqa: F401  isort: skip
 
 from .errors import (
     AmpError,

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  torch imports it on the first optimizer.step(), which rebinds
+# torch.manual_seed and adds submodules to vars(torch): imported here, the snapshot
+# below compares only what a test changed (amp_patch itself does not import it)
 import torch._appdirs  # noqa: F401  torch.compile imports these two lazily, which
 import torch._thread_safe_fork  # noqa: F401  adds them to vars(torch) mid-test.
 import torch.numa  # noqa: F401  so does transformers' save_pretrained with this one
@@ -62,3 +65,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--skip-slow", action="store_true",
+        help="skip the tests marked slow (subprocesses, distributed runs) for a quick local run; CI runs them all",
+    )
+
+
+def pytest_runtest_setup(item):
+    if item.config.getoption("--skip-slow") and item.get_closest_marker("slow") is not None:
+        pytest.skip("marked slow; run without --skip-slow to include it")

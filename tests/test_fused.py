@@ -231,3 +231,23 @@ def test_bad_fused_update_setups_are_refused_before_anything_changes(kwargs, opt
         amp_patch.initialize(model, opt, verbosity=0, **kwargs)
     assert not amp_patch.is_initialized()
     assert all(p.dtype == f32 and torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_compile_failure_with_an_empty_first_param_group_runs_the_plain_step(monkeypatch, caplog):
+    def fails(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(fused.FusedUpdate, "_fn", lambda self, kind: fails)
+    results = []
+    for fused_update in (False, True):
+        model = mlp(4, 8, 2)
+        opt = torch.optim.SGD([{"params": []}, {"params": list(model.parameters())}], lr=0.1, momentum=0.9)
+        with caplog.at_level(logging.WARNING, logger="amp_patch"), amp(model, opt, opt_level="O5", fused_update=fused_update):
+            for i in range(3):
+                x, y = helpers.batch(i, 4, 2)
+                F.mse_loss(model(x), y).backward()
+                opt.step()  # the fused update fails before any group stepped: the plain step runs
+                opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert caplog.text.count("torch.compile failed (RuntimeError: no C++ compiler)") == 1
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -614,3 +614,28 @@ def test_an_optimizer_initialize_never_saw_is_refused_at_its_first_step_with_the
     assert len(optim_module._global_optimizer_pre_hooks) == hooks  # the guard leaves with the run
     model(torch.randn(2, 4)).sum().backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()  # FP32 again, any optimizer
+
+
+class _MaxOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 6)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.max(y, dim=1), y.topk(2), torch.sort(y)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3", "O5"])
+def test_structseq_results_keep_their_fields_through_the_output_cast(level):
+    model = _MaxOut()
+    x = torch.randn(3, 4)
+    amp_patch.initialize(model, None, opt_level=level, verbosity=0)
+    try:
+        top, k, srt = model(x)
+    finally:
+        amp_patch.deinitialize()
+    assert type(top) is torch.return_types.max and type(k) is torch.return_types.topk
+    assert top.values.dtype == torch.float32 and top.indices.dtype == torch.int64
+    assert k.values.shape == (3, 2) and srt.indices.dtype == torch.int64
+    torch.testing.assert_close(top.values, model(x)[0].values, rtol=2e-2, atol=2e-2)

@@ -185,3 +185,19 @@ def test_imports_inside_the_package_go_one_way():
             if group(a) != group(b) and group(a) != "core":
                 between.setdefault(group(a), set()).add(group(b))
     assert _cycle(between) is None, f"an import cycle between subpackages: {_cycle(between)}"
+
+
+def test_importing_amp_patch_does_not_import_dynamo():
+    # torch._dynamo costs over a second of start-up, in every launcher subprocess too
+    code = "import sys, amp_patch, amp_patch.amp; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]"
+
+
+def test_the_shipped_lists_are_parsed_once_per_process():
+    import amp_patch.oplists as L
+
+    L._shipped.cache_clear()
+    first, second = L.load(), L.load()
+    assert first.entries == second.entries
+    assert L._shipped.cache_info().misses == 1 and L._shipped.cache_info().hits == 1

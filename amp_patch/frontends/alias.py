@@ -65,13 +65,15 @@ _real_apex: Optional[types.ModuleType] = None  # an Apex without amp that we add
 _announced = False
 
 
-def _hint(fullname: str) -> str:
+def replacement(fullname: str) -> str:
+    """What to use instead of an Apex module amp_patch does not serve."""
     top = ".".join(fullname.split(".")[:2])
+    return f"use {REPLACEMENTS.get(top, 'its torch equivalent')}"
+
+
+def _hint(fullname: str) -> str:
     served = ", ".join(n for n in STANDINS if n.startswith("apex."))
-    return (
-        f"Apex is not installed, and amp_patch's apex alias serves only {served}. "
-        f"Use {REPLACEMENTS.get(top, 'its torch equivalent')}."
-    )
+    return f"Apex is not installed, and amp_patch's apex alias serves only {served}. {replacement(fullname).capitalize()}."
 
 
 def standin_of(fullname: str) -> Any:

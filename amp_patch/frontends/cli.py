@@ -6,8 +6,11 @@ Subcommands:
 * ``lists`` - print the effective op policy after overrides.
 * ``check`` - validate op-list override files.
 * ``demo``  - train a small network in FP32, O1 and O2 and compare.
+* ``check-script`` - list the Apex names a script uses and whether amp_patch
+  serves each, without running it (see ``scan``).
 
-Exit codes: 0 success; 1 problems found (``check``) or the script's
+Exit codes: 0 success; 1 problems found (``check``), Apex names amp_patch
+does not serve (``check-script``) or the script's
 uncaught exception (``run``, with its traceback printed as Python prints
 it); 2 bad command-line input, nothing run. Under ``run`` the script's own
 ``sys.exit`` code passes through unchanged.
@@ -23,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 from ..errors import AmpError
 from ..oplists import view
 from ..properties import parse_dtype
-from . import launcher
+from . import launcher, scan
 
 PROG = "amp-patch"
 HALF_CHOICES = "float16|bfloat16"
@@ -138,7 +141,7 @@ def _add_half(p: argparse.ArgumentParser) -> None:
 
 def _main_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Automatic mixed precision for existing PyTorch code.", allow_abbrev=False)
-    sub = p.add_subparsers(dest="command", metavar="{run,lists,check,demo}")
+    sub = p.add_subparsers(dest="command", metavar="{run,lists,check,check-script,demo}")
     sub.add_parser("run", help="run a training script with AMP on, unmodified", add_help=False)
     lists = sub.add_parser("lists", help="print the effective op policy after overrides", allow_abbrev=False)
     lists.add_argument("--lists", metavar="FILE.yaml", action="append", default=[], help="op-list override; repeatable (added to $AMP_PATCH_LISTS)")
@@ -148,6 +151,10 @@ def _main_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate op-list override files", allow_abbrev=False)
     check.add_argument("files", metavar="FILE.yaml", nargs="+")
     check.set_defaults(parser=check)
+    script = sub.add_parser("check-script", help="list the Apex names a script uses and whether amp_patch serves each "
+                            "(reads the script, runs nothing)", allow_abbrev=False)
+    script.add_argument("script", metavar="SCRIPT.py")
+    script.set_defaults(parser=script)
     sub.add_parser("demo", help="train a small network in FP32, O1 and O2 and compare", add_help=False)
     return p
 
@@ -180,6 +187,21 @@ def _cmd_check(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _cmd_check_script(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        with open(ns.script, encoding="utf-8") as f:
+            source = f.read()
+    except OSError as e:
+        parser.error(f"cannot read {ns.script}: {e.strerror}")
+    try:
+        uses = scan.scan(source, ns.script)
+    except SyntaxError as e:
+        parser.error(f"{ns.script} does not parse (line {e.lineno}: {e.msg}); python would refuse it too")
+    text, rc = scan.report(uses, ns.script)
+    sys.stdout.write(text)
+    return rc
+
+
 def _cmd_demo(tokens: Sequence[str]) -> int:
     try:
         demo = importlib.import_module("amp_patch.frontends.demo")
@@ -203,6 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         amp-patch run --opt-level O1 train.py --epochs 1
         amp-patch lists --half-dtype float16 --format yaml
         amp-patch check my_lists.yaml
+        amp-patch check-script train.py
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("run", "demo"):
@@ -218,6 +241,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         if ns.command == "lists":
             return _cmd_lists(ns, ns.parser)
+        if ns.command == "check-script":
+            return _cmd_check_script(ns, ns.parser)
         return _cmd_check(ns, ns.parser)
     except _UsageExit as e:
         return e.code

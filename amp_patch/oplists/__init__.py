@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import os
 import types
@@ -470,18 +471,30 @@ def _implied_inplace(entries: Sequence[Entry], removed: set) -> List[Entry]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _shipped() -> Tuple[Tuple[str, ...], Tuple[Entry, ...]]:
+    """The shipped lists, parsed once per process: every ``initialize`` and
+    launcher start reads them, and they do not change while it runs."""
+    problems: List[str] = []
+    entries: List[Entry] = []
+    for fname, text in default_files():
+        r = _read_text(text, f"lists/{fname}", allow_remove=False)
+        problems += r.problems
+        _check_conflicts(r.entries, problems)
+        entries += r.entries
+    _check_conflicts(entries, problems)
+    return tuple(problems), tuple(entries)
+
+
 def collect_problems(sources: Sequence[ListSource], include_defaults: bool = True) -> Tuple[List[str], OpTable]:
     """Read defaults then each override; return every problem and the merged table."""
     problems: List[str] = []
     entries: List[Entry] = []
     removed: set = set()
     if include_defaults:
-        for fname, text in default_files():
-            r = _read_text(text, f"lists/{fname}", allow_remove=False)
-            problems += r.problems
-            _check_conflicts(r.entries, problems)
-            entries += r.entries
-        _check_conflicts(entries, problems)
+        shipped_problems, shipped = _shipped()
+        problems += shipped_problems
+        entries += shipped
     for src in sources:
         try:
             r = _read_source(src, allow_remove=True)

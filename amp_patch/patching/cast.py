@@ -126,8 +126,12 @@ def cast(obj: Any, to: torch.dtype, cache: CastCache | None, stats=None) -> Any:
         if all(a is b for a, b in zip(new, obj)):
             return obj
         if isinstance(obj, tuple):
-            # namedtuples (e.g. PackedSequence) are rebuilt field by field
-            return type(obj)(*new) if hasattr(obj, "_fields") else tuple(new)
+            # namedtuples (e.g. PackedSequence) are rebuilt field by field, and
+            # torch's structseq results (torch.max(x, dim) -> .values, .indices)
+            # from the sequence, so their field names survive the cast
+            if hasattr(obj, "_fields"):
+                return type(obj)(*new)
+            return type(obj)(new) if hasattr(type(obj), "n_sequence_fields") else tuple(new)
         return new
     if isinstance(obj, dict):
         changed = False

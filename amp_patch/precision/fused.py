@@ -273,10 +273,10 @@ class FusedUpdate:
             self.lr = torch.zeros((), dtype=f32, device=plan.device)
         lr = self.lr
         update = self._fn(self.kind)
-        gi = 0
+        stepped = False  # a group has been updated: the plain step must not repeat it
         try:
             with torch.no_grad():
-                for gi, (group, (params, grads, halfs)) in enumerate(zip(opt.param_groups, plan.groups)):
+                for group, (params, grads, halfs) in zip(opt.param_groups, plan.groups):
                     if not params:
                         continue
                     lr.fill_(group["lr"])
@@ -293,8 +293,9 @@ class FusedUpdate:
                                [s["max_exp_avg_sq"] for s in state] if ams else [], [s["step"] for s in state],
                                halfs, lr, inv, b1, b2, group["eps"], group["weight_decay"], ams, group["maximize"],
                                bool(group.get("decoupled_weight_decay", self.decoupled)))
+                    stepped = True
         except Exception as e:  # no compiler, or a compiler error: the plain step is always there
-            if gi:  # groups before this one have stepped already: the plain step must not repeat them
+            if stepped:  # groups before this one have stepped already: the plain step must not repeat them
                 raise
             self._failed(e)
             return False
