@@ -8,7 +8,6 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import amp_patch
 from amp_patch import AmpWarning, CastError, ConfigError, StateError, amp, session

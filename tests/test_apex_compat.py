@@ -33,7 +33,7 @@ APEX_SIGNATURES = {
     "register_half_function": "(module, name)",
     "register_float_function": "(module, name)",
     "register_promote_function": "(module, name)",
-    "init": "(enabled=True, loss_scale='dynamic', enable_caching=True, verbose=False, allow_banned=False)",
+    "init": "(enabled=True, loss_scale='dynamic', enable_caching=True, verbose=False, allow_banned=False, *, half_dtype=None)",
 }
 
 
@@ -274,6 +274,53 @@ def test_alias_names_the_replacement_of_apex_modules_it_does_not_serve(clean_ape
 
     with pytest.raises(AttributeError, match=r"transformer.*tensor.parallel"):
         apex.transformer
+
+
+def test_alias_serves_every_stand_in_under_apexs_names(clean_apex):
+    amp_patch.install_apex_alias()
+    import amp_C
+    star = {}
+    exec("from apex.fp16_utils import *", star)  # a script's star import
+    from apex.fp16_utils import FP16_Optimizer as Fp16Opt
+    from apex.multi_tensor_apply import multi_tensor_applier
+    from apex.multi_tensor_apply.multi_tensor_apply import MultiTensorApply
+    from apex.normalization.fused_layer_norm import FusedLayerNorm
+    from apex.optimizers import FusedLAMB
+    from apex.optimizers.fused_adam import FusedAdam
+    from apex.parallel import DistributedDataParallel as DDP, convert_syncbn_model
+    from apex.parallel.LARC import LARC
+    import apex
+
+    from amp_patch.apex import fp16_utils, multi_tensor_apply, normalization, optimizers, parallel
+    from amp_patch.apex import amp_C as our_amp_C
+
+    assert amp_C is our_amp_C and multi_tensor_applier is multi_tensor_apply.multi_tensor_applier
+    assert MultiTensorApply is multi_tensor_apply.MultiTensorApply and Fp16Opt is fp16_utils.FP16_Optimizer
+    assert FusedLayerNorm is normalization.FusedLayerNorm and FusedAdam is optimizers.FusedAdam
+    assert FusedLAMB is optimizers.FusedLAMB and DDP is parallel.DistributedDataParallel
+    assert LARC is parallel.LARC.LARC and apex.parallel.convert_syncbn_model is convert_syncbn_model
+    assert parallel.__spec__.name == "amp_patch.apex.parallel"  # served, not re-run under the apex name
+    assert star["to_python_float"] is fp16_utils.to_python_float and "network_to_half" in star
+    alias.remove_apex_alias()
+    assert not [m for m in sys.modules if m == "amp_C" or m == "apex" or m.startswith("apex.")]
+
+
+def test_a_real_apex_keeps_its_modules_and_gains_the_missing_stand_ins(clean_apex, tmp_path):
+    pkg = tmp_path / "apex"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "normalization.py").write_text("class FusedLayerNorm:\n    REAL = True\n")
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    assert amp_patch.install_apex_alias() is True
+    from apex.normalization import FusedLayerNorm
+    from apex.parallel import DistributedDataParallel
+    import apex
+
+    assert FusedLayerNorm.REAL  # the real module stays in charge
+    assert DistributedDataParallel.__module__ == "amp_patch.apex.parallel.distributed"
+    alias.remove_apex_alias()
+    assert "parallel" not in vars(apex) and "amp" not in vars(apex)
 
 
 def test_alias_serves_apex_amps_private_modules_without_hiding_the_state(clean_apex):

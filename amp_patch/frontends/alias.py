@@ -46,7 +46,15 @@ STANDINS = {
     "apex.normalization": "amp_patch.apex.normalization",
     "apex.multi_tensor_apply": "amp_patch.apex.multi_tensor_apply",
     "amp_C": "amp_patch.apex.amp_C",
+    # Apex's own submodules of these, which scripts import by their full path
+    # (`from apex.normalization.fused_layer_norm import FusedLayerNorm`)
+    **{f"apex.optimizers.{m}": "amp_patch.apex.optimizers" for m in (
+        "fused_adam", "fused_adagrad", "fused_sgd", "fused_lamb", "fused_novograd", "fused_mixed_precision_lamb")},
+    "apex.normalization.fused_layer_norm": "amp_patch.apex.normalization",
+    "apex.multi_tensor_apply.multi_tensor_apply": "amp_patch.apex.multi_tensor_apply",
 }
+#: served modules whose Apex counterpart is a package (its submodules above)
+_PACKAGES = ("apex.optimizers", "apex.normalization", "apex.multi_tensor_apply")
 
 #: what to use instead of the Apex modules amp_patch does not serve
 REPLACEMENTS = {
@@ -72,8 +80,9 @@ def replacement(fullname: str) -> str:
 
 
 def _hint(fullname: str) -> str:
-    served = ", ".join(n for n in STANDINS if n.startswith("apex."))
-    return f"Apex is not installed, and amp_patch's apex alias serves only {served}. {replacement(fullname).capitalize()}."
+    served = ", ".join(n for n in STANDINS if n.count(".") == 1)
+    use = replacement(fullname)
+    return f"Apex is not installed, and amp_patch's apex alias serves only {served}, amp_C. {use[0].upper()}{use[1:]}."
 
 
 def standin_of(fullname: str) -> Any:
@@ -82,14 +91,23 @@ def standin_of(fullname: str) -> Any:
     if fullname.startswith("apex.amp."):
         sub = fullname[len("apex.amp."):]
         return amp.SUBMODULES.get(sub)
-    for name, target in STANDINS.items():
-        if fullname == name or fullname.startswith(name + "."):
-            return target + fullname[len(name):]
+    if fullname in STANDINS:
+        return STANDINS[fullname]
+    for name in sorted(STANDINS, key=len, reverse=True):
+        if fullname.startswith(name + "."):
+            return STANDINS[name] + fullname[len(name):]
     return None
 
 
-def _real_spec(fullname: str, path: Any) -> Any:
-    """The spec of a real module of this name, looking past this finder."""
+def _real_spec(fullname: str, path: Any, finder: Any) -> Any:
+    """The spec of a real module of this name, looking past this finder; None
+    when there is none, or when a stand-in serves its parent (whose path is
+    amp_patch's own, so what is found there is the stand-in's submodule)."""
+    parent = fullname.rpartition(".")[0]
+    if parent:
+        mod = sys.modules.get(parent)
+        if mod is None or mod.__name__ != parent or getattr(mod.__spec__, "loader", None) is finder:
+            return None
     try:
         return importlib.machinery.PathFinder.find_spec(fullname, path)
     except (ImportError, ValueError):
@@ -114,11 +132,11 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             if self.stand_in and fullname.startswith("apex."):
                 raise ModuleNotFoundError(f"No module named {fullname!r}: {_hint(fullname)}", name=fullname)
             return None
-        if fullname != "apex.amp" and not fullname.startswith("apex.amp.") and _real_spec(fullname, path) is not None:
+        if fullname != "apex.amp" and not fullname.startswith("apex.amp.") and _real_spec(fullname, path, self) is not None:
             return None  # a real Apex module (or a real amp_C) stays in charge
         module = standin if isinstance(standin, types.ModuleType) else importlib.import_module(standin)
         self._specs[fullname] = module.__spec__
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=hasattr(module, "__path__"))
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=hasattr(module, "__path__") or fullname in _PACKAGES)
 
     def create_module(self, spec):
         if spec.name == "apex":
@@ -129,15 +147,21 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return standin if isinstance(standin, types.ModuleType) else importlib.import_module(standin)
 
     def exec_module(self, module):
-        own = self._specs.pop(module.__spec__.name, None)
+        served = module.__spec__.name  # the import system set it to the name served
+        own = self._specs.pop(served, None)
         if own is not None:
-            module.__spec__ = own  # the import system rewrote it to the served name's
+            module.__spec__ = own  # ... and the stand-in keeps its own
+        # Apex's submodules that a stand-in serves too go into sys.modules now,
+        # so importing one never sets it as an attribute of the stand-in:
+        # `_amp_state` must stay amp's state object and `fused_layer_norm`
+        # apex.normalization's function, as in Apex
         if module is amp:
-            # Apex's submodules are names in sys.modules, never attributes set on
-            # amp (an attribute `_amp_state` must stay the state object, as in Apex)
             for sub, mod in amp.SUBMODULES.items():
                 sys.modules.setdefault(f"apex.amp.{sub}", mod)
             _announce()
+        for child, target in STANDINS.items():
+            if served != "apex" and child.rpartition(".")[0] == served:
+                sys.modules.setdefault(child, importlib.import_module(target))
 
 
 def _package_getattr(name: str):

@@ -396,6 +396,17 @@ class Launch:
     def _on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._ours():
             return
+        if any(p.dtype in (torch.float16, torch.bfloat16) for g in optimizer.param_groups for p in g["params"]):
+            # model.half() + FP16_Optimizer (or a hand-written loop): the script
+            # keeps its own masters and loss scale, which a second scaler would
+            # double, and its half model was never meant to meet O1's casts.
+            # It ran without apex.amp, so it runs without amp_patch's AMP too.
+            log.info("amp_patch: %s is over FP16/BF16 parameters, so the script runs its own mixed precision; "
+                     "the launcher turns its own AMP off and leaves the script as it is", type(optimizer).__name__)
+            self.stepped_aside = True
+            if self.amp is not None and session.current() is self.amp:
+                frontend.deinitialize()
+            return
         if self.settings.opt_level in FUNCTION_LEVELS:
             frontend.adopt_optimizer(optimizer)
             amp = session.current()
