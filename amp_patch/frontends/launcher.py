@@ -396,7 +396,9 @@ class Launch:
     def _on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._ours():
             return
-        if any(p.dtype in (torch.float16, torch.bfloat16) for g in optimizer.param_groups for p in g["params"]):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        converted = {id(p) for m in (self.amp.models if self.amp is not None else ()) for p in m.parameters()}
+        if any(p.dtype in (torch.float16, torch.bfloat16) and id(p) not in converted for p in params):
             # model.half() + FP16_Optimizer (or a hand-written loop): the script
             # keeps its own masters and loss scale, which a second scaler would
             # double, and its half model was never meant to meet O1's casts.
