@@ -3,8 +3,10 @@ which needs the script's folder at sys.path[0], as `python script.py` puts it)."
 import json
 import os
 import sys
+import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 
@@ -39,3 +41,12 @@ def report(**fields):
     # between them. Flushed so it survives a later exit code.
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(fields, default=str) + "\n").encode())
+
+
+def destroy_process_group():
+    """``dist.destroy_process_group()`` after letting gloo's worker thread finish
+    the last collective (as tests/helpers.py does): destroyed while that thread
+    still runs, the process aborts at exit ("terminate called without an active
+    exception"), with or without amp_patch."""
+    time.sleep(0.05)
+    dist.destroy_process_group()

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from amp_script_util import Net, batch, record_linear_dtypes, report
+from amp_script_util import Net, batch, destroy_process_group, record_linear_dtypes, report
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -29,4 +29,4 @@ report(
     ranks_identical=all(torch.equal(gathered[0], g) for g in gathered),
     local_rank=os.environ.get("LOCAL_RANK"),
 )
-dist.destroy_process_group()
+destroy_process_group()
