@@ -148,7 +148,7 @@ def initialize(
     if not enabled:
         _enabled = False
         cur = session.current()
-        if cur is not None and getattr(cur, "provisional", None) is not None:
+        if cur is not None and cur.provisional is not None:
             # The script turned AMP off itself; its word beats the launcher's.
             log.info("amp_patch: the script called amp.initialize(enabled=False); mixed precision is off")
             _frontend.deinitialize()

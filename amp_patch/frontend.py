@@ -220,13 +220,14 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     # leaves the launcher's session running.
     lists_given = lists is not None
     running = session.current()
-    prov = running if running is not None and getattr(running, "provisional", None) is not None else None
+    prov = running if running is not None and running.provisional is not None else None
     if prov is not None:
         running = None
-        half_dtype = prov.provisional.get("half_dtype") if half_dtype is None else half_dtype
-        lists = prov.provisional.get("lists") if lists is None else lists
-        if overrides.get("cast_model_outputs") is None and prov.provisional.get("cast_model_outputs") is not None:
-            overrides["cast_model_outputs"] = prov.provisional["cast_model_outputs"]
+        given = prov.provisional
+        half_dtype = given.half_dtype if half_dtype is None else half_dtype
+        lists = given.lists if lists is None else lists
+        if overrides.get("cast_model_outputs") is None and given.cast_model_outputs is not None:
+            overrides["cast_model_outputs"] = given.cast_model_outputs
     options = Options.build(verbosity=verbosity, **{k: overrides.pop(k) for k in list(overrides) if k in EXTRA_OPTIONS})
     device_type = _device_type(model_list)
     props = resolve(opt_level, device_type, half_dtype, **overrides)
@@ -255,11 +256,8 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
 
     if replaced is not None:
         # every check passed: only now does the earlier run end
-        diagnostics.warn_user(replaced.farewell(props))
-        try:
-            scaling_state.settle(replaced.amp)
-        finally:
-            replaced.amp.end()
+        diagnostics.warn_user(_farewell(replaced, props))
+        _end(replaced)
     amp = running
     fresh = amp is None
     # under Apex's rule a later call joins the run as _apex_rerun decided; else the strict checks
@@ -273,7 +271,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
             )
         if lists is not None:
             raise ConfigError("lists= can only be given to the first initialize; call amp_patch.deinitialize() to change the op lists")
-        clash = [m for m in model_list if any(m is x for x in amp.models)]
+        clash = [m for m in model_list if amp.holds(m)]
         if clash:
             raise ConfigError(f"model {type(clash[0]).__name__} is already initialized; pass each model to initialize once")
         differ = options.differences(amp.options)
@@ -324,29 +322,23 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     return _returned(models, model_list, models_were_list, optimizers, opt_list, opts_were_list)
 
 
-class _Replaced:
-    """A running session that an ``amp.initialize`` with other settings ends."""
-
-    def __init__(self, amp: Session):
-        self.amp = amp
-
-    def farewell(self, props: Properties) -> str:
-        """What happens to the earlier run, in one warning."""
-        old = self.amp.props
-        lost = []
-        if old.cast_model_type in (torch.float16, torch.bfloat16):
-            lost.append(f"its {len(self.amp.models)} model(s) are FP32 again")
-        if old.patch_torch_functions:
-            lost.append("torch functions are no longer cast for them")
-        if self.amp.optimizers:
-            lost.append(f"its {len(self.amp.optimizers)} optimizer(s) are plain torch optimizers again (no loss scaling, no masters)")
-        lost.append("the loss scalers start anew")
-        return (
-            f"amp.initialize(opt_level={props.opt_level!r}, half dtype {props.half_dtype}) replaced the running "
-            f"{old.opt_level} ({old.half_dtype}) run: as in Apex, the last call sets the properties and the loss "
-            f"scalers anew. Of the earlier run, {'; '.join(lost)}. To keep every model mixed, initialize them all "
-            f"in one call: amp.initialize([model1, model2], [opt1, opt2], opt_level=...)"
-        )
+def _farewell(old: Session, props: Properties) -> str:
+    """What an ``amp.initialize`` with other settings does to the run it ends, in one warning."""
+    was = old.props
+    lost = []
+    if was.cast_model_type in (torch.float16, torch.bfloat16):
+        lost.append(f"its {len(old.models)} model(s) are FP32 again")
+    if was.patch_torch_functions:
+        lost.append("torch functions are no longer cast for them")
+    if old.optimizers:
+        lost.append(f"its {len(old.optimizers)} optimizer(s) are plain torch optimizers again (no loss scaling, no masters)")
+    lost.append("the loss scalers start anew")
+    return (
+        f"amp.initialize(opt_level={props.opt_level!r}, half dtype {props.half_dtype}) replaced the running "
+        f"{was.opt_level} ({was.half_dtype}) run: as in Apex, the last call sets the properties and the loss "
+        f"scalers anew. Of the earlier run, {'; '.join(lost)}. To keep every model mixed, initialize them all "
+        f"in one call: amp.initialize([model1, model2], [opt1, opt2], opt_level=...)"
+    )
 
 
 def _apex_rerun(running: Session, props: Properties, lists: Any, models: List[Any], opts: List[Any]):
@@ -360,14 +352,11 @@ def _apex_rerun(running: Session, props: Properties, lists: Any, models: List[An
     new one has passed, and says so.
 
     Returns:
-        ``(session to join or None, _Replaced or None, models to attach, optimizers to attach)``.
+        ``(session to join or None, session to end or None, models to attach, optimizers to attach)``.
     """
     if running.props != props or lists is not None:
-        return None, _Replaced(running), models, opts
-    held = running.optimizer_handles
-    new_models = [m for m in models if not any(m is x for x in running.models)]
-    new_opts = [o for o in opts if not (id(o) in held and held[id(o)].optimizer is o and held[id(o)].patched)]
-    return running, None, new_models, new_opts
+        return None, running, models, opts
+    return running, None, [m for m in models if not running.holds(m)], [o for o in opts if not running.attached(o)]
 
 
 def _returned(models, model_list, models_were_list, optimizers, opt_list, opts_were_list):
@@ -410,10 +399,15 @@ def deinitialize() -> None:
                 "leave the block first (its exit unscales the gradients), then deinitialize."
             )
         with amp.flight.hold("amp_patch.deinitialize()"):
-            try:
-                scaling_state.settle(amp)
-            finally:
-                amp.end()
+            _end(amp)
+
+
+def _end(amp: Session) -> None:
+    """End a session: gradients a scaled backward left made true (or dropped), then every change undone."""
+    try:
+        scaling_state.settle(amp)
+    finally:
+        amp.end()
 
 
 def is_initialized() -> bool:
@@ -547,8 +541,7 @@ def adopt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             raise StateError("amp_patch.adopt_optimizer needs amp_patch.initialize(model, optimizer, opt_level=...) first")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"adopt_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        h = amp.optimizer_handles.get(id(optimizer))
-        if h is not None and h.optimizer is optimizer and h.patched:
+        if amp.attached(optimizer):
             return optimizer
         # the first initialize's fused_update applies to an adopted optimizer; no models come with it
         options = dataclasses.replace(amp.options, keep_fp32=None)

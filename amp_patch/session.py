@@ -13,6 +13,7 @@ the same step, before anything else can fail.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, List, Optional
 
 from .patching.cast import CastCache
@@ -83,6 +84,16 @@ class _Unpatch:
         self.patcher.undo(min(self.n, len(self.patcher)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Provisional:
+    """What a session the launcher (or ``amp_patch.auto``) started hands on to
+    the script's own ``initialize`` that replaces it, unless that call names its own."""
+
+    half_dtype: Any = None
+    lists: Any = None
+    cast_model_outputs: Any = None
+
+
 class Session:
     """What ``initialize`` set up, until ``deinitialize``."""
 
@@ -105,7 +116,16 @@ class Session:
         self.ledger: Any = None  # stats.Ledger when collect_stats=True
         #: set by the launcher (or amp_patch.auto) on the session it started: a
         #: script's own initialize replaces it, keeping these settings
-        self.provisional: Optional[Dict[str, Any]] = None
+        self.provisional: Optional[Provisional] = None
+
+    def holds(self, model: Any) -> bool:
+        """True when ``model`` was passed to an ``initialize`` of this session."""
+        return any(model is m for m in self.models)
+
+    def attached(self, optimizer: Any) -> bool:
+        """True when ``optimizer`` is attached (loss scaling, masters) to this session."""
+        h = self.optimizer_handles.get(id(optimizer))
+        return h is not None and h.optimizer is optimizer and h.patched
 
     def patch(self, items: list) -> None:
         """Patch each ``(owner, name, make_wrapper)`` not patched yet, all or nothing, and push the undo."""

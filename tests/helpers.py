@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import inspect
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import sysconfig
 import textwrap
 import time
+import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import amp_patch
@@ -22,6 +30,13 @@ ENV = (launcher.ENV_OPT_LEVEL, launcher.ENV_HALF_DTYPE, launcher.ENV_LOSS_SCALE,
 
 #: a C compiler is here, so every install must build the C fast path
 HAS_C_COMPILER = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is not None
+
+
+def unannotated(fn) -> str:
+    """``fn``'s signature as text, without annotations (to compare with Apex's)."""
+    sig = inspect.signature(fn)
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
 
 
 def fast_path():
@@ -50,10 +65,82 @@ def destroy_process_group():
     freed) by a thread that holds the GIL meanwhile, torch deadlocks. Sleeping
     releases the GIL long enough for that thread to finish.
     """
-    import torch.distributed as dist
-
     time.sleep(0.05)
     dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ gloo workers
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(script, world, out_dir, timeout, **env):
+    """Run ``script`` as ``world`` worker processes at once (``serve_cases`` is
+    their side) and return what each saved, rank 0's first.
+
+    Rank ``r`` runs ``python script r PORT out_dir`` with ``OMP_NUM_THREADS=1``
+    and ``env`` added to the environment; all are killed after ``timeout``
+    seconds. A rank that saved nothing fails the test with every rank's output.
+    """
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    procs = [
+        subprocess.Popen([sys.executable, script, str(r), str(port), str(out_dir)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for r in range(world):
+        path = out_dir / f"rank{r}.pt"
+        assert path.exists(), f"rank {r} saved nothing:\n" + "\n".join(x[-3000:] for x in logs)
+        results.append(torch.load(path, weights_only=False))
+    return results
+
+
+def serve_cases(rank, port, out_dir, world, cases, timeout):
+    """A worker of ``run_workers``: join the gloo group of ``world`` processes
+    (collectives time out after ``timeout`` seconds), run each ``(name, run)``
+    of ``cases`` in order and save ``{name: run()}`` to ``out_dir/rank{rank}.pt``.
+
+    The results so far are saved after every case, so one that hangs leaves
+    the earlier ones; one that raises saves ``{"exception": traceback}``.
+    """
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    results = {}
+    for name, run in cases:
+        try:
+            results[name] = run()
+        except Exception:
+            results[name] = {"exception": traceback.format_exc()}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    destroy_process_group()
+
+
+def case_results(ranks, name):
+    """Every rank's results of case ``name`` (``run_workers``' list), failing
+    the test with a rank's traceback when the case raised or never ran there."""
+    got = []
+    for r, res in enumerate(ranks):
+        assert name in res, f"rank {r} never finished {name} (an earlier scenario hung or crashed)"
+        assert "exception" not in res[name], f"rank {r}:\n{res[name]['exception']}"
+        got.append(res[name])
+    return got
 
 
 def write(tmp_path, name, body):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 import amp_patch
 from amp_patch import ConfigError, session, amp
 from amp_patch.frontends import alias
+from helpers import unannotated
 
 # apex.amp's public surface (apex/amp/__init__.py) and its signatures.
 APEX_NAMES = (
@@ -35,12 +35,6 @@ APEX_SIGNATURES = {
     "register_promote_function": "(module, name)",
     "init": "(enabled=True, loss_scale='dynamic', enable_caching=True, verbose=False, allow_banned=False, *, half_dtype=None)",
 }
-
-
-def unannotated(fn) -> str:
-    sig = inspect.signature(fn)
-    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
-    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,6 @@ amp_patch.initialize, as the scripts that use these run.
 """
 from __future__ import annotations
 
-import inspect
 import io
 import logging
 
@@ -33,7 +32,7 @@ from amp_patch.apex.fp16_utils import (
     to_python_float,
     tofp16,
 )
-from helpers import batch, mlp
+from helpers import batch, mlp, unannotated
 
 f16, f32 = torch.float16, torch.float32
 
@@ -48,12 +47,6 @@ APEX_2018_NAMES = {"FP16_Module", "fp32_to_fp16", "fp16_to_fp32"}
 APEX_SUBMODULES = {"fp16_optimizer", "fp16util", "loss_scaler"}
 APEX_STATE_KEYS = {"loss_scaler", "dynamic_loss_scale", "overflow", "first_closure_call_this_step",
                    "optimizer_state_dict", "fp32_from_fp16"}
-
-
-def unannotated(fn) -> str:
-    sig = inspect.signature(fn)
-    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
-    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
 
 
 def half_net(seed=0):

@@ -50,6 +50,24 @@ def close(a, b, **tol):
         torch.testing.assert_close(x, y, **tol)
 
 
+def train_beside(opt, a, ref, b, steps, start=0, scale=1.0):
+    """Step ``opt`` on ``a`` and ``ref`` on ``b`` with the gradients of steps
+    ``start`` on (drawn in ``a``'s dtype, then given to each parameter in its
+    own dtype and on its device)."""
+    for i in range(start, start + steps):
+        for p, q, g in zip(a, b, grads_at(i, a[0].dtype, scale)):
+            p.grad, q.grad = g.to(p.device), g.to(q.device, q.dtype, copy=True)
+        opt.step()
+        ref.step()
+
+
+def assert_masters_are(opt, a, b):
+    """``opt``'s FP32 masters of ``a`` are ``b`` exactly, and ``a`` holds them rounded."""
+    masters = [opt.state[p]["master_param"] for p in a]
+    assert same(masters, [q.detach() for q in b])
+    assert same([p.detach() for p in a], [m.to(a[0].dtype) for m in masters])
+
+
 # ------------------------------------------------------------------ references from the algorithms
 
 
@@ -181,15 +199,8 @@ def test_fused_adam_master_weights_track_the_fp32_run():
     a = make_params(torch.bfloat16)
     opt = FusedAdam(a, lr=1e-2, weight_decay=0.1, capturable=True, master_weights=True)
     b = [nn.Parameter(p.detach().float()) for p in a]
-    ref = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, fused=True)
-    for i in range(4):
-        for p, q, g in zip(a, b, grads_at(i, torch.bfloat16)):
-            p.grad, q.grad = g, g.float()
-        opt.step()
-        ref.step()
-    masters = [opt.state[p]["master_param"] for p in a]
-    assert same(masters, [q.detach() for q in b])
-    assert same([p.detach() for p in a], [m.to(torch.bfloat16) for m in masters])
+    train_beside(opt, a, torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, fused=True), b, steps=4)
+    assert_masters_are(opt, a, b)
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and int(opt.param_groups[0]["step"]) == 4
 
 
@@ -395,15 +406,8 @@ def test_mixed_precision_lamb_masters_follow_fp32_lamb():
     a = make_params(torch.bfloat16)
     opt = FusedMixedPrecisionLamb(a, lr=1e-2, reduced_precision_dtype=torch.bfloat16)
     b = [nn.Parameter(p.detach().float()) for p in a]
-    ref = FusedLAMB(b, lr=1e-2)
-    for i in range(3):
-        for p, q, g in zip(a, b, grads_at(i, torch.bfloat16, 3.0)):
-            p.grad, q.grad = g, g.float()
-        opt.step()
-        ref.step()
-    masters = [opt.state[p]["master_param"] for p in a]
-    assert same(masters, [q.detach() for q in b])
-    assert same([p.detach() for p in a], [m.to(torch.bfloat16) for m in masters])
+    train_beside(opt, a, FusedLAMB(b, lr=1e-2), b, steps=3, scale=3.0)
+    assert_masters_are(opt, a, b)
     assert all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in a)
     group = opt.param_groups[0]
     assert isinstance(group["lr"], torch.Tensor) and group["step"].tolist() == [3]
@@ -462,11 +466,7 @@ def test_state_dict_round_trip_resumes_bitwise(name, dtype):
     for key, value in opt.state[a[0]].items():  # state dtypes survive the load (Adam's FP32 moments of half params)
         if isinstance(value, torch.Tensor):
             assert resumed.state[b[0]][key].dtype == value.dtype, key
-    for i in range(3, 6):
-        for p, q, g in zip(a, b, grads_at(i, dtype)):
-            p.grad, q.grad = g, g.clone()
-        opt.step()
-        resumed.step()
+    train_beside(opt, a, resumed, b, steps=3, start=3)
     assert same([p.detach() for p in a], [q.detach() for q in b])
     assert not same([p.detach() for p in a], [p.detach() for p in make_params(dtype)])
 
@@ -671,12 +671,7 @@ def test_fused_adam_on_cuda_is_torch_adamw():
     a = [nn.Parameter(p.detach().cuda()) for p in make_params()]
     opt = FusedAdam(a, lr=1e-2, weight_decay=0.1)
     b = [nn.Parameter(p.detach().cuda()) for p in make_params()]
-    ref = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, fused=True)
-    for i in range(3):
-        for p, q, g in zip(a, b, grads_at(i)):
-            p.grad, q.grad = g.cuda(), g.cuda()
-        opt.step()
-        ref.step()
+    train_beside(opt, a, torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, fused=True), b, steps=3)
     assert same(a, b)
     f = torch.zeros(1, dtype=torch.int, device="cuda")
     total, _ = amp_C.multi_tensor_l2norm(0, f, [[p.grad for p in a]], False)

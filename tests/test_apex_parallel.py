@@ -8,12 +8,8 @@ the two ranks' batches, and a BatchNorm over the two batches concatenated.
 """
 from __future__ import annotations
 
-import datetime
 import os
-import socket
-import subprocess
 import sys
-import traceback
 import warnings
 
 import pytest
@@ -26,6 +22,7 @@ from amp_patch.apex.parallel import DistributedDataParallel, Reducer, SyncBatchN
 from amp_patch.apex.parallel.LARC import LARC
 from amp_patch.apex.parallel.multiproc import main as multiproc_main
 from amp_patch.diagnostics.notices import AmpWarning
+from helpers import batch, case_results, mlp, run_workers, serve_cases, sgd
 
 WORLD = 2
 STEPS = 3
@@ -42,19 +39,17 @@ IGNORED_GIVEN = dict(message_size=1000, delay_allreduce=True, num_allreduce_stre
 
 
 def _mlp(seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).to(dtype)
+    return mlp(6, 8, 3, seed=seed).to(dtype)
 
 
-def _bn_net(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+def _bn_net():
+    return mlp(6, 8, 3, norm="batch")
 
 
 def _batch(rank, dtype=torch.float32):
     """Rank ``rank``'s batch: different on each rank, and known to every rank."""
-    g = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(4, 6, generator=g).to(dtype), torch.randn(4, 3, generator=g).to(dtype)
+    x, y = batch(rank, 6, 3, rows=4)
+    return x.to(dtype), y.to(dtype)
 
 
 def _grads(model, rank, dtype=torch.float32):
@@ -112,7 +107,7 @@ def _fp32_cases(rank):
 
 def _train(model, rank):
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = sgd(model, momentum=0.9)
     losses = []
     x, y = _batch(rank)
     for _ in range(STEPS):
@@ -182,12 +177,6 @@ def _reducer_cases(rank):
 
 
 def _worker(rank, port, out_dir):
-    import torch.distributed as dist
-    from helpers import destroy_process_group
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     cases = {
         "grads": lambda: _grad_cases(rank),
         "fp32": lambda: _fp32_cases(rank),
@@ -197,61 +186,16 @@ def _worker(rank, port, out_dir):
         "syncbn": lambda: _syncbn_cases(rank),
         "reducer": lambda: _reducer_cases(rank),
     }
-    results = {}
-    for name, run in cases.items():
-        try:
-            results[name] = run()
-        except Exception:
-            results[name] = {"exception": traceback.format_exc()}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    destroy_process_group()
+    serve_cases(rank, port, out_dir, WORLD, cases.items(), timeout=60)
 
 
 # ============================================================ the test side
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run the workers once; return ``[rank0_results, rank1_results]``."""
-    out = tmp_path_factory.mktemp("apex_parallel")
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = []
-    for r in range(WORLD):
-        path = out / f"rank{r}.pt"
-        assert path.exists(), f"rank {r} saved nothing:\n" + "\n".join(x[-3000:] for x in logs)
-        results.append(torch.load(path, weights_only=False))
-    return results
-
-
-def _case(ranks, name):
-    got = []
-    for r, res in enumerate(ranks):
-        assert name in res, f"rank {r} never finished {name} (an earlier scenario hung or crashed)"
-        assert "exception" not in res[name], f"rank {r}:\n{res[name]['exception']}"
-        got.append(res[name])
-    return got
+    return run_workers(__file__, WORLD, tmp_path_factory.mktemp("apex_parallel"), timeout=240)
 
 
 def _local_grads(dtype=torch.float32):
@@ -273,7 +217,7 @@ def test_ddp_gradients_are_the_average_or_sum_of_the_ranks(ranks, name):
         "predivide": [(a / FACTOR + b / FACTOR) * (FACTOR / 2) for a, b in zip(g0, g1)],
         "predivide-sum": [a / FACTOR + b / FACTOR for a, b in zip(g0, g1)],
     }[name]
-    r0, r1 = _case(ranks, "grads")
+    r0, r1 = case_results(ranks, "grads")
     assert _equal(r0[name], r1[name]), "the ranks' gradients differ"
     for got, want in zip(r0[name], expected):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
@@ -284,7 +228,7 @@ def test_ddp_gradients_are_the_average_or_sum_of_the_ranks(ranks, name):
 def test_ddp_is_torch_ddp_and_disable_allreduce_keeps_gradients_local(ranks):
     local = _local_grads()
     average = [(a + b) / 2 for a, b in zip(*local)]
-    for rank, r in enumerate(_case(ranks, "grads")):
+    for rank, r in enumerate(case_results(ranks, "grads")):
         assert r["module_is_net"] and r["is_torch_ddp"]
         assert _equal(r["disabled"], local[rank])
         for got, want in zip(r["enabled"], average):
@@ -293,7 +237,7 @@ def test_ddp_is_torch_ddp_and_disable_allreduce_keeps_gradients_local(ranks):
 
 @pytest.mark.slow
 def test_allreduce_always_fp32_reduces_bf16_gradients_in_fp32(ranks):
-    r0, r1 = _case(ranks, "fp32")
+    r0, r1 = case_results(ranks, "fp32")
     g0, g1 = r0["local"]
     # Apex's arithmetic, carried out in FP32 and rounded to BF16 once at the end
     want = [(a.float().mul(1 / 3.0) + b.float().mul(1 / 3.0)).mul(3.0 / 2).bfloat16() for a, b in zip(g0, g1)]
@@ -306,7 +250,7 @@ def test_allreduce_always_fp32_reduces_bf16_gradients_in_fp32(ranks):
 
 @pytest.mark.slow
 def test_ddp_ranks_end_identical_and_keep_their_own_buffers(ranks):
-    r0, r1 = _case(ranks, "train")
+    r0, r1 = case_results(ranks, "train")
     assert r0["losses"] != r1["losses"]
     for k, v in r0["state"].items():
         if "running" in k:
@@ -319,12 +263,12 @@ def test_ddp_ranks_end_identical_and_keep_their_own_buffers(ranks):
 
 @pytest.mark.slow
 def test_syncbn_ddp_training_equals_one_process_on_the_whole_batch(ranks):
-    r0, r1 = _case(ranks, "train-syncbn")
+    r0, r1 = case_results(ranks, "train-syncbn")
     for k, v in r0["state"].items():
         assert torch.equal(v, r1["state"][k]), k
     # one process, plain BatchNorm, both ranks' batches at once (equal sizes: the mean loss is DDP's average)
     model = _bn_net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = sgd(model, momentum=0.9)
     x, y = (torch.cat(t) for t in zip(*(_batch(r) for r in range(WORLD))))
     for _ in range(STEPS):
         opt.zero_grad()
@@ -336,7 +280,7 @@ def test_syncbn_ddp_training_equals_one_process_on_the_whole_batch(ranks):
 
 @pytest.mark.slow
 def test_ignored_apex_arguments_give_one_warning_naming_them(ranks):
-    for r in _case(ranks, "warnings"):
+    for r in case_results(ranks, "warnings"):
         assert r["plain"] == []
         assert len(r["given"]) == 1, r["given"]
         category, message, filename = r["given"][0]
@@ -376,7 +320,7 @@ def _bn_reference(layout):
 def test_syncbn_under_gloo_equals_batchnorm_over_the_concatenated_batch(ranks, case):
     layout, channel_last = case.split("-")
     ref = _bn_reference(layout)
-    got = [r[case] for r in _case(ranks, "syncbn")]
+    got = [r[case] for r in case_results(ranks, "syncbn")]
     close = dict(rtol=1e-5, atol=1e-5)
     for rank, r in enumerate(got):
         back = (lambda t: t.movedim(-1, 1)) if channel_last == "True" else (lambda t: t)
@@ -395,7 +339,7 @@ def test_syncbn_under_gloo_equals_batchnorm_over_the_concatenated_batch(ranks, c
 def test_syncbn_fuse_relu_bf16_and_process_groups(ranks):
     x = torch.cat([_bn_inputs(r, "4d")[0] for r in range(WORLD)])
     whole = _affine(nn.BatchNorm2d(4))(x).detach().split([3, 5])
-    for rank, r in enumerate(_case(ranks, "syncbn")):
+    for rank, r in enumerate(case_results(ranks, "syncbn")):
         torch.testing.assert_close(r["fuse_relu"]["y"], F.relu(whole[rank] + r["fuse_relu"]["z"]), rtol=1e-5, atol=1e-5)
         assert r["bf16"].dtype == torch.bfloat16
         torch.testing.assert_close(r["bf16"].float(), whole[rank], rtol=2e-2, atol=5e-2)
@@ -408,7 +352,7 @@ def test_syncbn_fuse_relu_bf16_and_process_groups(ranks):
 @pytest.mark.slow
 def test_reducer_broadcasts_rank0_and_averages_on_reduce(ranks):
     local = _local_grads()
-    for r in _case(ranks, "reducer"):
+    for r in case_results(ranks, "reducer"):
         assert _equal(r["params"], [p.detach() for p in _mlp(seed=0).parameters()])
         for got, want in zip(r["grads"], [(a + b) / 2 for a, b in zip(*local)]):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
@@ -507,10 +451,10 @@ def test_larc_matches_a_hand_computed_step(clip):
 
 def test_larc_passes_state_and_param_groups_through():
     net = _mlp()
-    opt = LARC(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    opt = LARC(sgd(net, momentum=0.9))
     _grads(net, 0)
     opt.step()
-    fresh = LARC(torch.optim.SGD(_mlp().parameters(), lr=0.1, momentum=0.9))
+    fresh = LARC(sgd(_mlp(), momentum=0.9))
     fresh.load_state_dict(opt.state_dict())
     assert all(torch.equal(fresh.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])
                for p, q in zip(fresh.optim.param_groups[0]["params"], opt.optim.param_groups[0]["params"]))

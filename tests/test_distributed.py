@@ -16,17 +16,14 @@ Scenarios:
 """
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from helpers import Snapshot, case_results, run_workers, serve_cases
 
 WORLD = 2
 STEPS = 5
@@ -193,7 +190,6 @@ def _fsdp_case(rank, half):
 
 def _refused_case(rank, kind):
     import amp_patch
-    from helpers import Snapshot
 
     before = Snapshot()
     model = _net(norm="layer")
@@ -221,70 +217,20 @@ def _refused_case(rank, kind):
 
 
 def _worker(rank, port, out_dir):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     cases = [(f"ddp-{lvl}-{half}", lambda lvl=lvl, half=half: _ddp_case(rank, lvl, half)) for lvl, half in DDP_CASES]
     cases += [(name, lambda name=name: _inf_case(rank, name)) for name in INF_CASES]
     cases += [(name, lambda name=name: _fsdp_case(rank, name.rsplit("-", 1)[1])) for name in FSDP_CASES]
     cases += [(name, lambda name=name: _refused_case(rank, name)) for name in REFUSED]
-    results = {}
-    for name, run in cases:
-        try:
-            results[name] = run()
-        except Exception:
-            results[name] = {"exception": traceback.format_exc()}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    dist.destroy_process_group()
+    serve_cases(rank, port, out_dir, WORLD, cases, timeout=120)
 
 
 # ============================================================ the test side
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run the workers once; return ``[rank0_results, rank1_results]``."""
-    out = tmp_path_factory.mktemp("dist")
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=480)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = []
-    for r in range(WORLD):
-        path = out / f"rank{r}.pt"
-        assert path.exists(), f"rank {r} saved nothing:\n" + "\n".join(x[-3000:] for x in logs)
-        results.append(torch.load(path, weights_only=False))
-    return results
-
-
-def _case(ranks, name):
-    got = []
-    for r, res in enumerate(ranks):
-        assert name in res, f"rank {r} never finished {name} (an earlier scenario hung or crashed)"
-        assert "exception" not in res[name], f"rank {r}:\n{res[name]['exception']}"
-        got.append(res[name])
-    return got
+    return run_workers(__file__, WORLD, tmp_path_factory.mktemp("dist"), timeout=480, PYTHONWARNINGS="ignore")
 
 
 def _assert_identical(a, b, what):
@@ -307,7 +253,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("level,half", DDP_CASES)
 def test_ddp_ranks_stay_bitwise_identical(ranks, level, half):
-    r0, r1 = _case(ranks, f"ddp-{level}-{half}")
+    r0, r1 = case_results(ranks, f"ddp-{level}-{half}")
     for key in ("state", "raw", "masters"):
         _assert_identical(r0[key], r1[key], key)
     # Different data on each rank (different losses), yet one model.
@@ -327,7 +273,7 @@ def test_ddp_ranks_stay_bitwise_identical(ranks, level, half):
 
 @pytest.mark.parametrize("name", INF_CASES)
 def test_inf_on_one_rank_skips_the_same_step_everywhere(ranks, name):
-    r0, r1 = _case(ranks, name)
+    r0, r1 = case_results(ranks, name)
     for r in (r0, r1):
         states, scales = r["states"], r["scales"]
         # Exactly the bad step was skipped: its weights are the step before's.
@@ -351,7 +297,7 @@ def test_inf_on_one_rank_skips_the_same_step_everywhere(ranks, name):
 @pytest.mark.parametrize("name", FSDP_CASES)
 def test_fsdp_fully_shard_under_o1_matches_ddp(ranks, name):
     half = name.rsplit("-", 1)[1]
-    r0, r1 = _case(ranks, name)
+    r0, r1 = case_results(ranks, name)
     _assert_identical(r0["fsdp"]["state"], r1["fsdp"]["state"], "full state")
     for r in (r0, r1):
         fsdp, ddp = r["fsdp"], r["ddp"]
@@ -366,7 +312,7 @@ def test_fsdp_fully_shard_under_o1_matches_ddp(ranks, name):
 
 @pytest.mark.parametrize("kind", REFUSED)
 def test_o2_on_an_fsdp_model_is_refused_with_a_clear_error(ranks, kind):
-    for r in _case(ranks, kind):
+    for r in case_results(ranks, kind):
         assert r["error"] is not None, "initialize accepted an FSDP model at O2"
         cls, msg = r["error"]
         assert cls == "ConfigError"

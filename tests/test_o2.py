@@ -630,11 +630,8 @@ class _MaxOut(torch.nn.Module):
 def test_structseq_results_keep_their_fields_through_the_output_cast(level):
     model = _MaxOut()
     x = torch.randn(3, 4)
-    amp_patch.initialize(model, None, opt_level=level, verbosity=0)
-    try:
+    with helpers.amp(model, None, opt_level=level):
         top, k, srt = model(x)
-    finally:
-        amp_patch.deinitialize()
     assert type(top) is torch.return_types.max and type(k) is torch.return_types.topk
     assert top.values.dtype == torch.float32 and top.indices.dtype == torch.int64
     assert k.values.shape == (3, 2) and srt.indices.dtype == torch.int64

@@ -573,28 +573,22 @@ def test_a_half_buffer_the_model_updates_is_saved_as_it_is_now():
 def test_a_dtype_change_of_a_converted_model_is_refused_at_its_next_forward(change):
     model = mlp(4, 8, 2, norm="batch")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp_patch.initialize(model, opt, "O2", half_dtype=torch.bfloat16, verbosity=0)
-    try:
+    with amp(model, opt, "O2", half_dtype=torch.bfloat16):
         {"half": model.half, "float": model.float, "to-float32": lambda: model.to(torch.float32),
          "to-float16": lambda: model.to(torch.float16)}[change]()
         with pytest.raises(amp_patch.StateError, match=r"Sequential's parameters are torch\.float(16|32) now, but amp_patch "
                            r"converted the model to torch\.bfloat16 at opt_level='O2'.*use a copy \(copy\.deepcopy\(model\)"):
             model(torch.randn(5, 4))
-    finally:
-        amp_patch.deinitialize()
 
 
 def test_moving_a_converted_model_to_its_own_dtype_or_device_changes_nothing():
     model = mlp(4, 8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp_patch.initialize(model, opt, "O2", half_dtype=torch.bfloat16, verbosity=0)
-    try:
+    with amp(model, opt, "O2", half_dtype=torch.bfloat16):
         x = torch.randn(5, 4)
         before = model(x)
         model.to(torch.bfloat16).to("cpu")
         assert torch.equal(model(x), before) and before.dtype == torch.float32
-    finally:
-        amp_patch.deinitialize()
 
 
 # ---------------------------------------------------------------- evaluation and hooks
@@ -604,8 +598,7 @@ def test_moving_a_converted_model_to_its_own_dtype_or_device_changes_nothing():
 def test_evaluation_under_no_grad_runs_as_training_does_and_records_no_graph(level):
     model = mlp(4, 8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp_patch.initialize(model, opt, level, half_dtype=torch.bfloat16, cast_model_outputs=torch.float32, verbosity=0)
-    try:
+    with amp(model, opt, level, half_dtype=torch.bfloat16, cast_model_outputs=torch.float32):
         x = torch.randn(5, 4)
         train_out = model(x)
         model.eval()
@@ -616,8 +609,6 @@ def test_evaluation_under_no_grad_runs_as_training_does_and_records_no_graph(lev
         assert eval_out.dtype == inf_out.dtype == train_out.dtype == torch.float32
         assert not eval_out.requires_grad and eval_out.grad_fn is None
         assert torch.equal(eval_out, train_out.detach()) and torch.equal(inf_out, eval_out)
-    finally:
-        amp_patch.deinitialize()
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -626,14 +617,11 @@ def test_a_forward_hook_sees_what_the_layer_computed(level):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
     model[0].register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
-    amp_patch.initialize(model, opt, level, half_dtype=torch.bfloat16, verbosity=0)
-    try:
+    with amp(model, opt, level, half_dtype=torch.bfloat16):
         model(torch.randn(5, 4))
         # O1 casts at the op (the input the hook sees is FP32, the output half);
         # O2 casts the model's input, so the layer sees half in and out
         assert seen == [(torch.float32 if level == "O1" else torch.bfloat16, torch.bfloat16)]
-    finally:
-        amp_patch.deinitialize()
     seen.clear()
     model(torch.randn(5, 4))
     assert seen == [(torch.float32, torch.float32)]
@@ -646,8 +634,7 @@ def test_a_write_into_a_frozen_parameters_state_dict_value_reaches_the_half_mode
     for p in model[0].parameters():
         p.requires_grad_(False)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    amp_patch.initialize(model, opt, "O2", half_dtype=torch.bfloat16, verbosity=0)
-    try:
+    with amp(model, opt, "O2", half_dtype=torch.bfloat16):
         sd = model.state_dict()
         new = torch.linspace(-1, 1, sd["0.weight"].numel()).reshape(sd["0.weight"].shape)
         sd["0.weight"].copy_(new)
@@ -657,6 +644,4 @@ def test_a_write_into_a_frozen_parameters_state_dict_value_reaches_the_half_mode
         assert torch.equal(model[0].weight, new.to(torch.bfloat16))  # the half model computes with it
         expected = F.linear(F.relu(F.linear(x.bfloat16(), new.bfloat16(), model[0].bias)), model[2].weight, model[2].bias)
         assert torch.equal(out, expected.float())
-    finally:
-        amp_patch.deinitialize()
     assert model[0].weight.dtype == torch.float32 and torch.equal(model[0].weight, new)

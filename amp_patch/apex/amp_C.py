@@ -13,7 +13,7 @@ asking for one raises an ``AttributeError`` that names what to use instead.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -35,10 +35,17 @@ def _flag_non_finite(noop_flag: Tensor, tensors: Sequence[Tensor]) -> None:
     _raise_flag(noop_flag, torch.isfinite(peaks).all().logical_not())
 
 
-def _norms(tensors: List[Tensor]) -> Tuple[Tensor, Tensor]:
-    """``(total, per_tensor)`` L2 norms, squares summed in FP32; total has shape ``[1]``."""
-    per_tensor = torch.stack(torch._foreach_norm(tensors, 2, dtype=f32))
-    return torch.linalg.vector_norm(per_tensor).reshape(1), per_tensor
+def _l2norm(noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], per_tensor: bool,
+            inv_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``multi_tensor_l2norm``'s result, times ``inv_scale`` when given; raises
+    ``noop_flag`` when the total is not finite."""
+    each = torch.stack(torch._foreach_norm(list(tensor_lists[0]), 2, dtype=f32))
+    total = torch.linalg.vector_norm(each).reshape(1)
+    if inv_scale is not None:
+        inv = inv_scale.to(f32).abs().reshape(())
+        total, each = total * inv, each * inv
+    _raise_flag(noop_flag, torch.isfinite(total).logical_not().squeeze(0))
+    return total, each if per_tensor else each.new_empty(0)
 
 
 def multi_tensor_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
@@ -66,10 +73,7 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequen
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         total, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [grads], False)
     """
-    tensors = list(tensor_lists[0])
-    total, each = _norms(tensors)
-    _raise_flag(noop_flag, torch.isfinite(total).logical_not().squeeze(0))
-    return total, each if per_tensor else each.new_empty(0)
+    return _l2norm(noop_flag, tensor_lists, per_tensor)
 
 
 def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
@@ -90,12 +94,7 @@ def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists
 
         total, _ = amp_C.multi_tensor_unscale_l2norm(2048 * 32, flag, [grads], 1 / scaler.get_scale(), False)
     """
-    tensors = list(tensor_lists[0])
-    inv = inv_scale.to(f32).abs().reshape(())
-    total, each = _norms(tensors)
-    total, each = total * inv, each * inv
-    _raise_flag(noop_flag, torch.isfinite(total).logical_not().squeeze(0))
-    return total, each if per_tensor else each.new_empty(0)
+    return _l2norm(noop_flag, tensor_lists, per_tensor, inv_scale)
 
 
 def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],

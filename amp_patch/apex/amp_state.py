@@ -14,14 +14,12 @@ As in Apex, ``opt_properties``, ``loss_scalers`` and ``handle`` are absent
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Iterator, List
+from typing import Any, ContextManager, Iterator, List
 
 import torch
 
-from .. import session
-from ..patching.wrappers import pop_disabled, push_disabled
+from .. import frontend, session
 from ..scaling import master_params as _masters
 from ..scaling import state as scaling_state
 
@@ -81,8 +79,7 @@ class LossScaler:
         if not value > 0 or value == float("inf"):
             raise ValueError(f"_loss_scale={value!r}: a loss scale must be a finite number > 0")
         scaler.scale = value
-        # a static scaler of 1.0 does no work; one given another scale must start scaling
-        scaler.active = scaler.dynamic or value != 1.0
+        # a static scaler of 1.0 does no work; one given another scale starts scaling
         scaling_state.run_of(_running("loss_scalers")).refresh_plain()
 
     @property
@@ -152,37 +149,45 @@ class Handle:
     ``_deactivate()`` takes amp_patch's function patches off (torch's
     functions are its own again, as Apex's ``_deactivate`` restored them);
     models, optimizers and loss scaling stay until ``deinitialize``.
+
+    Args:
+        amp: the session the handle belongs to, or None for whichever runs
+            (``_amp_state.handle``).
     """
 
-    def is_active(self) -> bool:
+    has_cache = True
+
+    def __init__(self, amp: Any = None):
+        self._amp = amp
+
+    def _session(self) -> Any:
+        """The handle's session while it runs, else None."""
         amp = session.current()
+        return amp if self._amp is None or amp is self._amp else None
+
+    def is_active(self) -> bool:
+        amp = self._session()
         return amp is not None and len(amp.patcher) > 0
 
     def _deactivate(self) -> None:
-        amp = session.current()
+        amp = self._session()
         if amp is not None:
             amp.patcher.undo()
 
-    @contextlib.contextmanager
-    def _disable_casts(self) -> Iterator[None]:
-        push_disabled()
-        try:
-            yield
-        finally:
-            pop_disabled()
+    def _disable_casts(self) -> ContextManager[None]:
+        return frontend.disable_casts()
+
+    disable_casts = _disable_casts
 
     def _clear_cache(self) -> None:
-        amp = session.current()
+        amp = self._session()
         if amp is not None:
             amp.cache.clear()
 
     @property
-    def has_cache(self) -> bool:
-        return True
-
-    @property
     def verbose(self) -> bool:
-        return _amp_state.verbosity > 1
+        amp = self._session()
+        return amp is not None and amp.options.verbosity > 1
 
 
 class AmpState:

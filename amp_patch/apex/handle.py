@@ -24,7 +24,7 @@ from .. import frontend, oplists, session
 from ..errors import ConfigError, StateError
 from ..scaling import scale_loss as _scale_loss
 from ..scaling import state as scaling_state
-from .amp_state import _amp_state
+from .amp_state import Handle, _amp_state
 
 __all__ = ["AmpHandle", "NoOpHandle", "OptimWrapper", "init"]
 
@@ -80,30 +80,15 @@ def init(
     return AmpHandle(session.current())
 
 
-def _adopt(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"scale_loss expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    return frontend.adopt_optimizer(optimizer)
+class AmpHandle(Handle):
+    """The handle ``amp.init()`` returns, bound to the run it started.
 
-
-class AmpHandle:
-    """The handle ``amp.init()`` returns, bound to the run it started."""
+    Its ``_deactivate()`` ends that run (``deinitialize``).
+    """
 
     def __init__(self, amp: Any):
-        self._amp = amp
+        super().__init__(amp)
         self._default_scaler_used = True
-
-    def _live(self) -> Any:
-        if session.current() is not self._amp:
-            raise StateError(
-                "this amp handle's run has ended (deinitialize, handle._deactivate() or a later amp.initialize); "
-                "call amp.init() again for a new handle"
-            )
-        return self._amp
-
-    def is_active(self) -> bool:
-        """True while the handle's run is on and its function patches are in place."""
-        return session.current() is self._amp and len(self._amp.patcher) > 0
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -119,8 +104,7 @@ class AmpHandle:
             return
         if not self._default_scaler_used:
             raise StateError("after handle.wrap_optimizer(), call optimizer.scale_loss(loss) on the wrapped optimizer")
-        self._live()
-        with _scale_loss(loss, _adopt(optimizer)) as scaled:
+        with _scale_loss(loss, frontend.adopt_optimizer(optimizer)) as scaled:
             yield scaled
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> "OptimWrapper":
@@ -128,28 +112,10 @@ class AmpHandle:
         self._default_scaler_used = False
         return OptimWrapper(optimizer, self, num_loss)
 
-    @contextlib.contextmanager
-    def _disable_casts(self) -> Iterator[None]:
-        with frontend.disable_casts():
-            yield
-
-    disable_casts = _disable_casts
-
     def _deactivate(self) -> None:
         """End the handle's run: torch's functions are its own again."""
-        if session.current() is self._amp:
+        if self._session() is not None:
             frontend.deinitialize()
-
-    def _clear_cache(self) -> None:
-        self._amp.cache.clear()
-
-    @property
-    def has_cache(self) -> bool:
-        return True
-
-    @property
-    def verbose(self) -> bool:
-        return self._amp.options.verbosity > 1
 
 
 class NoOpHandle:
@@ -205,8 +171,8 @@ class OptimWrapper:
         self._num_loss = num_loss
         self._loss_idx = 0
         if handle.is_active():
-            _adopt(optimizer)
-            _ensure_losses(handle._live(), num_loss)
+            frontend.adopt_optimizer(optimizer)
+            scaling_state.add_losses(handle._amp, num_loss)
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -247,10 +213,3 @@ class OptimWrapper:
 
     def add_param_group(self, param_group: dict) -> None:
         self._optimizer.add_param_group(param_group)
-
-
-def _ensure_losses(amp: Any, n: int) -> None:
-    """Give the run at least ``n`` loss scalers (a wrapped optimizer's ``num_loss``)."""
-    run = scaling_state.run_of(amp)
-    if len(run.scalers) < n:
-        scaling_state.add_losses(amp, n)

@@ -182,7 +182,38 @@ def mixed_dtype_fused_rms_norm_affine(input: Tensor, weight: Tensor, normalized_
     return _norm("rms", input, normalized_shape, weight, None, eps, mixed=True)
 
 
-class FusedLayerNorm(nn.LayerNorm):
+class _Apex:
+    """What Apex's norm modules add to torch's: ``memory_efficient``, kept,
+    and a forward in Apex's output dtype (the weight's when ``_mixed``, else
+    the input's)."""
+
+    _kind: str
+    _mixed = False
+
+    def __init__(self, normalized_shape: Shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 memory_efficient: bool = False):
+        super().__init__(_shape(normalized_shape), eps=eps, elementwise_affine=elementwise_affine)
+        self.memory_efficient = memory_efficient
+
+    def forward(self, input: Tensor) -> Tensor:
+        bias = getattr(self, "bias", None)  # nn.RMSNorm has none
+        return _norm(self._kind, input, self.normalized_shape, self.weight, bias, self.eps, self._mixed)
+
+
+class _Mixed:
+    """Apex's Mixed norms: always affine, their output in the weight's dtype."""
+
+    _mixed = True
+
+    def __init__(self, normalized_shape: Shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs: Any):
+        if "elementwise_affine" in kwargs:  # Apex's check on the argument it always overrides
+            warnings.warn(f"{type(self).__name__} does not support `elementwise_affine` argument", stacklevel=2)
+            if not kwargs.pop("elementwise_affine"):
+                raise RuntimeError(f"{type(self).__name__} does not support `elementwise_affine = False`")
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=True, memory_efficient=memory_efficient)
+
+
+class FusedLayerNorm(_Apex, nn.LayerNorm):
     """Apex's ``FusedLayerNorm``: an ``nn.LayerNorm`` whose output keeps the input's dtype.
 
     Args:
@@ -198,16 +229,10 @@ class FusedLayerNorm(nn.LayerNorm):
         y = ln(torch.randn(8, 16, 512))
     """
 
-    def __init__(self, normalized_shape: Shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 memory_efficient: bool = False):
-        super().__init__(_shape(normalized_shape), eps=eps, elementwise_affine=elementwise_affine)
-        self.memory_efficient = memory_efficient
-
-    def forward(self, input: Tensor) -> Tensor:
-        return _norm("layer", input, self.normalized_shape, self.weight, self.bias, self.eps, mixed=False)
+    _kind = "layer"
 
 
-class FusedRMSNorm(nn.RMSNorm):
+class FusedRMSNorm(_Apex, nn.RMSNorm):
     """Apex's ``FusedRMSNorm``: an ``nn.RMSNorm`` whose output keeps the input's dtype.
 
     ``y = x / sqrt(mean(x**2) + eps) * weight`` over ``normalized_shape``.
@@ -225,24 +250,10 @@ class FusedRMSNorm(nn.RMSNorm):
         y = norm(torch.randn(8, 16, 512))
     """
 
-    def __init__(self, normalized_shape: Shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 memory_efficient: bool = False):
-        super().__init__(_shape(normalized_shape), eps=eps, elementwise_affine=elementwise_affine)
-        self.memory_efficient = memory_efficient
-
-    def forward(self, input: Tensor) -> Tensor:
-        return _norm("rms", input, self.normalized_shape, self.weight, None, self.eps, mixed=False)
+    _kind = "rms"
 
 
-def _mixed_affine(cls: str, kwargs: Any) -> None:
-    """Apex's check on the ``elementwise_affine`` its Mixed norms always have."""
-    if "elementwise_affine" in kwargs:
-        warnings.warn(f"{cls} does not support `elementwise_affine` argument", stacklevel=3)
-        if not kwargs.pop("elementwise_affine"):
-            raise RuntimeError(f"{cls} does not support `elementwise_affine = False`")
-
-
-class MixedFusedLayerNorm(FusedLayerNorm):
+class MixedFusedLayerNorm(_Mixed, FusedLayerNorm):
     """Apex's ``MixedFusedLayerNorm``: always affine, its output in the weight's
     dtype (FP32 weights with a half input give FP32), as Megatron expects.
 
@@ -260,15 +271,8 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         y = ln(torch.randn(4, 512).bfloat16())     # y is FP32
     """
 
-    def __init__(self, normalized_shape: Shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs: Any):
-        _mixed_affine(type(self).__name__, kwargs)
-        super().__init__(normalized_shape, eps=eps, elementwise_affine=True, memory_efficient=memory_efficient)
 
-    def forward(self, input: Tensor) -> Tensor:
-        return _norm("layer", input, self.normalized_shape, self.weight, self.bias, self.eps, mixed=True)
-
-
-class MixedFusedRMSNorm(FusedRMSNorm):
+class MixedFusedRMSNorm(_Mixed, FusedRMSNorm):
     """Apex's ``MixedFusedRMSNorm``: always affine, its output in the weight's dtype.
 
     Args:
@@ -284,10 +288,3 @@ class MixedFusedRMSNorm(FusedRMSNorm):
         norm = MixedFusedRMSNorm(512)
         y = norm(torch.randn(4, 512).half())       # y is FP32
     """
-
-    def __init__(self, normalized_shape: Shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs: Any):
-        _mixed_affine(type(self).__name__, kwargs)
-        super().__init__(normalized_shape, eps=eps, elementwise_affine=True, memory_efficient=memory_efficient)
-
-    def forward(self, input: Tensor) -> Tensor:
-        return _norm("rms", input, self.normalized_shape, self.weight, None, self.eps, mixed=True)

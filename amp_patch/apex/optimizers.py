@@ -32,6 +32,8 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import required
 from torch.optim.sgd import sgd as _torch_sgd
 
+from ..patching.cast import CASTABLE, LOW
+
 Tensor = torch.Tensor
 f32 = torch.float32
 Params = Union[Iterable[Tensor], Iterable[Dict[str, Any]]]
@@ -39,8 +41,6 @@ Closure = Optional[Callable[[], Any]]
 
 __all__ = ["FusedAdam", "FusedAdagrad", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedMixedPrecisionLamb"]
 
-_HALF = (torch.float16, torch.bfloat16)
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: devices where torch has a fused Adam kernel, which also unscales and skips on overflow
 _FUSED_DEVICES = ("cpu", "cuda")
 
@@ -63,20 +63,20 @@ def _with_grads(name: str, params: List[Tensor], hint: str = ", please consider 
             continue
         if p.grad.is_sparse:
             raise RuntimeError(f"{name} does not support sparse gradients{hint}")
-        if p.dtype not in _DTYPES:
+        if p.dtype not in CASTABLE:
             raise RuntimeError(f"{name} only support fp16 and fp32.")
         out.append(p)
     return out
 
 
-def _fp32(tensors: List[Tensor]) -> List[Tensor]:
-    """What to compute in: each FP32 tensor itself, an FP32 copy of each half one."""
-    return [t.float() if t.dtype in _HALF else t for t in tensors]
+def _fp32(tensors: List[Optional[Tensor]]) -> List[Optional[Tensor]]:
+    """What to compute in: each FP32 tensor (or None) itself, an FP32 copy of each half one."""
+    return [t.float() if t is not None and t.dtype in LOW else t for t in tensors]
 
 
-def _copy_back(dsts: List[Tensor], works: List[Tensor]) -> None:
+def _copy_back(dsts: List[Optional[Tensor]], works: List[Optional[Tensor]]) -> None:
     """Round each FP32 working copy into the tensor it was made from (one multi-tensor copy)."""
-    pairs = [(d, w) for d, w in zip(dsts, works) if d is not w]
+    pairs = [(d, w) for d, w in zip(dsts, works) if d is not w and d is not None]
     if pairs:
         torch._foreach_copy_([d for d, _ in pairs], [w for _, w in pairs])
 
@@ -88,7 +88,7 @@ def _work(p: Tensor, state: Dict[str, Any], master: bool) -> Tensor:
         if "master_param" not in state:
             state["master_param"] = p.detach().float()
         return state["master_param"]
-    return p.float() if p.dtype in _HALF else p
+    return p.float() if p.dtype in LOW else p
 
 
 def _scaling(optimizer: torch.optim.Optimizer, grad_scaler: Any) -> Tuple[Dict[torch.device, Tensor], Optional[Tensor]]:
@@ -166,6 +166,19 @@ class _Fused(torch.optim.Optimizer):
         """Set the gradients to None, or to zero, as ``set_to_none`` says
         (default: the constructor's ``set_grad_none``, as Apex's ``zero_grad()``)."""
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _states(self, params: List[Tensor], keys: Tuple[str, ...],
+                fp32_for: Tuple[torch.dtype, ...] = ()) -> List[List[Tensor]]:
+        """The state tensors ``keys`` of ``params``, one list per key. A
+        parameter's first step makes them zeros, FP32 for a parameter whose
+        dtype is in ``fp32_for``, else in the parameter's dtype."""
+        for p in params:
+            state = self.state[p]
+            if not state:
+                dtype = f32 if p.dtype in fp32_for else p.dtype
+                for key in keys:
+                    state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        return [[self.state[p][key] for p in params] for key in keys]
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict``, with each state tensor in
@@ -301,15 +314,8 @@ class FusedAdam(_Fused):
             params = _with_grads("FusedAdam", group["params"])
             if not params:
                 continue
-            work, exp_avgs, exp_avg_sqs = [], [], []
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, dtype=f32, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=f32, memory_format=torch.preserve_format)
-                work.append(_work(p, state, self.master_weights and p.dtype in _HALF))
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
+            exp_avgs, exp_avg_sqs = self._states(params, ("exp_avg", "exp_avg_sq"), fp32_for=LOW)
+            work = [_work(p, self.state[p], self.master_weights and p.dtype in LOW) for p in params]
             self._update(group, work, _fp32([p.grad for p in params]), exp_avgs, exp_avg_sqs, found_inf, grad_scale)
             _copy_back(params, work)
         return loss
@@ -382,12 +388,7 @@ class FusedAdagrad(_Fused):
             params = _with_grads("FusedAdagrad", group["params"], hint="")
             if not params:
                 continue
-            sums = []
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["sum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                sums.append(state["sum"])
+            sums, = self._states(params, ("sum",))
             work, work_sums = _fp32(params), _fp32(sums)
             lr, decay = group["lr"], group["weight_decay"]
             if self.adagrad_w_mode and decay != 0:
@@ -465,7 +466,7 @@ class FusedSGD(_Fused):
             lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
             bufs = [self.state[p].get("momentum_buffer") for p in params]
             work = _fp32(params)
-            work_bufs = [None if b is None else (b.float() if b.dtype in _HALF else b) for b in bufs]
+            work_bufs = _fp32(bufs)
             if decay != 0 and self.wd_after_momentum:
                 # p -= lr * (d + decay * p), d the momentum step of the bare gradient:
                 # this decay, then the decay-free step
@@ -478,9 +479,7 @@ class FusedSGD(_Fused):
                 for p, old, new in zip(params, bufs, work_bufs):
                     if old is None:  # torch's SGD made it from the first gradient
                         self.state[p]["momentum_buffer"] = new.to(p.dtype)
-                    elif new is not old:
-                        old.copy_(new)
-            _copy_back(params, work)
+            _copy_back(params + bufs, work + work_bufs)
         return loss
 
 
@@ -509,15 +508,21 @@ def _lamb(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp
 
 
 class _Lamb(_Fused):
-    """The step ``FusedLAMB`` and ``FusedMixedPrecisionLamb`` share."""
+    """The construction and step ``FusedLAMB`` and ``FusedMixedPrecisionLamb`` share."""
 
-    adam_w_mode: int
-    use_nvlamb: bool
+    def __init__(self, params: Params, defaults: Dict[str, Any], set_grad_none: bool, amsgrad: bool,
+                 adam_w_mode: bool, use_nvlamb: bool):
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+        super().__init__(params, defaults, set_grad_none)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.use_nvlamb = use_nvlamb
 
     def _lamb_step(self, name: str, inv_scale: Optional[Tensor], reduced: Optional[torch.dtype]) -> None:
         """Clip by the global gradient norm (of the true gradients: ``inv_scale``
         is 1 / loss scale, or None) and update every group; parameters of dtype
         ``reduced`` are updated through FP32 masters with FP32 moments."""
+        low = () if reduced is None else (reduced,)
         groups = [(group, _with_grads(name, group["params"])) for group in self.param_groups]
         grads = [p.grad for _, params in groups for p in params]
         if not grads:
@@ -532,17 +537,8 @@ class _Lamb(_Fused):
             group["step"] = group.get("step", 0) + 1
             if not params:
                 continue
-            work, exp_avgs, exp_avg_sqs = [], [], []
-            for p in params:
-                state = self.state[p]
-                low = reduced is not None and p.dtype == reduced
-                if not state:
-                    dtype = f32 if low else p.dtype
-                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                work.append(_work(p, state, low))
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
+            exp_avgs, exp_avg_sqs = self._states(params, ("exp_avg", "exp_avg_sq"), fp32_for=low)
+            work = [_work(p, self.state[p], p.dtype in low) for p in params]
             grads = _fp32([p.grad for p in params])
             if inv_scale is not None:
                 grads = torch._foreach_mul(grads, inv_scale)
@@ -592,13 +588,10 @@ class FusedLAMB(_Lamb):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
                  amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
                  set_grad_none: bool = True, max_grad_norm: float = 1.0, use_nvlamb: bool = False):
-        if amsgrad:
-            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, set_grad_none)
-        self.adam_w_mode = 1 if adam_w_mode else 0
-        self.use_nvlamb = use_nvlamb
+        super().__init__(params, defaults, set_grad_none, amsgrad=amsgrad, adam_w_mode=adam_w_mode,
+                         use_nvlamb=use_nvlamb)
 
     @torch.no_grad()
     def step(self, closure: Closure = None) -> Any:
@@ -650,15 +643,12 @@ class FusedMixedPrecisionLamb(_Lamb):
                  amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
                  max_grad_norm: float = 1.0, use_nvlamb: bool = False,
                  reduced_precision_dtype: Optional[torch.dtype] = None):
-        if amsgrad:
-            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
         defaults = dict(lr=torch.tensor(lr, dtype=f32), step=torch.tensor([step], dtype=torch.int),
                         bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, set_grad_none=True)
+        super().__init__(params, defaults, set_grad_none=True, amsgrad=amsgrad, adam_w_mode=adam_w_mode,
+                         use_nvlamb=use_nvlamb)
         self.reduced_precision_dtype = reduced_precision_dtype
-        self.adam_w_mode = 1 if adam_w_mode else 0
-        self.use_nvlamb = use_nvlamb
         self._step_supports_amp_scaling = True
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -699,17 +689,20 @@ class FusedMixedPrecisionLamb(_Lamb):
 
 def _novograd(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], norms: Tensor, *, lr: float,
               beta1: float, beta2: float, eps: float, step: int, bias_correction: bool, weight_decay: float,
-              grad_averaging: bool, reg_inside_moment: bool, norm_type: int) -> None:
+              grad_averaging: bool, reg_inside_moment: bool, norm_type: int, start: bool) -> None:
     """One NovoGrad update of FP32 tensors, as Apex's kernel: ``norms`` (one
     per tensor, a norm, not its square) blends in this step's gradient norms,
-    then serves as each tensor's second moment."""
+    then serves as each tensor's second moment. ``start``: first set
+    ``norms`` to this step's norms, so the first blend keeps them."""
     new = torch.stack(torch._foreach_norm(grads, 2 if norm_type == 2 else float("inf"), dtype=f32))
+    if start:
+        norms.copy_(new)
     if norm_type == 2:
         norms.copy_((beta2 * norms * norms + (1 - beta2) * new * new).sqrt())
     else:
         norms.mul_(beta2).add_(new, alpha=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step if bias_correction else 1.0
-    bias_correction2 = (1 - beta2 ** step) ** 0.5 if bias_correction else 1.0
+    bias_correction1, bias_correction2 = _bias_corrections(beta1, beta2, step, bias_correction)
+    bias_correction2 = bias_correction2 ** 0.5
     denoms = list((norms / bias_correction2 + eps).unbind())
     beta3 = 1 - beta1 if grad_averaging else 1.0
     if reg_inside_moment:  # the paper's form: normalise and decay inside the moment
@@ -790,10 +783,7 @@ class FusedNovoGrad(_Fused):
             params = _with_grads("FusedNovoGrad", group["params"])
             if group["norm_type"] not in (0, 2):
                 raise RuntimeError("FusedNovoGrad only support l2/inf norm now.")
-            for p in params:
-                if not self.state[p]:
-                    self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            kinds = ([p for p in params if p.dtype in _HALF], [p for p in params if p.dtype not in _HALF])
+            kinds = ([p for p in params if p.dtype in LOW], [p for p in params if p.dtype not in LOW])
             device = group["params"][0].device if group["params"] else None
             first = "exp_avg_sq" not in group
             if first:
@@ -807,15 +797,13 @@ class FusedNovoGrad(_Fused):
                     )
                 if not ps:
                     continue
-                if first and not group["init_zero"]:  # start at this step's norms, so the first blend keeps them
-                    order = 2 if group["norm_type"] == 2 else float("inf")
-                    norms.copy_(torch.stack(torch._foreach_norm([p.grad for p in ps], order, dtype=f32)))
-                exp_avgs = [self.state[p]["exp_avg"] for p in ps]
+                exp_avgs, = self._states(ps, ("exp_avg",))
                 work, work_avgs = _fp32(ps), _fp32(exp_avgs)
                 beta1, beta2 = group["betas"]
                 _novograd(work, _fp32([p.grad for p in ps]), work_avgs, norms, lr=group["lr"], beta1=beta1,
                           beta2=beta2, eps=group["eps"], step=group["step"], bias_correction=group["bias_correction"],
                           weight_decay=group["weight_decay"], grad_averaging=group["grad_averaging"],
-                          reg_inside_moment=self.moment_mode == 0, norm_type=group["norm_type"])
+                          reg_inside_moment=self.moment_mode == 0, norm_type=group["norm_type"],
+                          start=first and not group["init_zero"])
                 _copy_back(ps + exp_avgs, work + work_avgs)
         return loss

@@ -99,6 +99,20 @@ def standin_of(fullname: str) -> Any:
     return None
 
 
+def standin_module(fullname: str) -> Optional[types.ModuleType]:
+    """The module that stands in for ``fullname``, imported, or None when amp_patch
+    serves no such module (``apex.parallel.nothing`` as much as ``apex.contrib``)."""
+    standin = standin_of(fullname)
+    if standin is None or isinstance(standin, types.ModuleType):
+        return standin
+    try:
+        return importlib.import_module(standin)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (standin == e.name or standin.startswith(e.name + ".")):
+            return None
+        raise  # a stand-in that exists and fails to import: that error is the news
+
+
 def _real_spec(fullname: str, path: Any, finder: Any) -> Any:
     """The spec of a real module of this name, looking past this finder; None
     when there is none, or when a stand-in serves its parent (whose path is
@@ -127,14 +141,15 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True) if self.stand_in else None
         if fullname != "amp_C" and not fullname.startswith("apex."):
             return None
-        standin = standin_of(fullname)
-        if standin is None:
+        if standin_of(fullname) is None:
             if self.stand_in and fullname.startswith("apex."):
                 raise ModuleNotFoundError(f"No module named {fullname!r}: {_hint(fullname)}", name=fullname)
             return None
         if fullname != "apex.amp" and not fullname.startswith("apex.amp.") and _real_spec(fullname, path, self) is not None:
             return None  # a real Apex module (or a real amp_C) stays in charge
-        module = standin if isinstance(standin, types.ModuleType) else importlib.import_module(standin)
+        module = standin_module(fullname)
+        if module is None:
+            return None  # no such submodule in the stand-in: the import fails as it would anywhere
         self._specs[fullname] = module.__spec__
         return importlib.machinery.ModuleSpec(fullname, self, is_package=hasattr(module, "__path__") or fullname in _PACKAGES)
 
@@ -143,8 +158,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             pkg = types.ModuleType("apex", "Stand-in for NVIDIA Apex, served by amp_patch (see amp_patch.apex).")
             pkg.__getattr__ = _package_getattr  # `import apex; apex.amp.scale_loss(...)`
             return pkg
-        standin = standin_of(spec.name)
-        return standin if isinstance(standin, types.ModuleType) else importlib.import_module(standin)
+        return standin_module(spec.name)
 
     def exec_module(self, module):
         served = module.__spec__.name  # the import system set it to the name served

@@ -47,7 +47,7 @@ from ..errors import ConfigError
 from ..patching.registry import Patcher
 from ..precision import model as model_side
 from ..properties import OPT_LEVELS, parse_dtype, resolve
-from ..session import UndoStack
+from ..session import Provisional, UndoStack
 from . import alias
 
 log = logging.getLogger("amp_patch")
@@ -148,9 +148,14 @@ class Settings:
         out: dict = {"half_dtype": self.half_dtype, "lists": list(self.lists) or None}
         if self.loss_scale is not None:
             out["loss_scale"] = self.loss_scale
-        if self.outputs == "float32" and self.opt_level != "O0":
-            out["cast_model_outputs"] = torch.float32
+        if self.output_dtype is not None:
+            out["cast_model_outputs"] = self.output_dtype
         return out
+
+    @property
+    def output_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the models' outputs are cast to, or None to keep what they computed."""
+        return torch.float32 if self.outputs == "float32" and self.opt_level != "O0" else None
 
 
 def _parse_loss_scale(value: Any, where: str) -> Union[str, float]:
@@ -351,7 +356,7 @@ class Launch:
     def _mark(self, amp: Any) -> None:
         self.amp = amp
         kwargs = self.settings.initialize_kwargs()
-        amp.provisional = {k: kwargs.get(k) for k in ("half_dtype", "lists", "cast_model_outputs")}
+        amp.provisional = Provisional(kwargs["half_dtype"], kwargs["lists"], self.settings.output_dtype)
 
     def _ours(self) -> bool:
         """True while the running AMP state is the one this launch started."""
@@ -420,14 +425,14 @@ class Launch:
                 model_side.cast_outputs(amp, model)
             return
         model = owning_model(optimizer)
-        if self.amp is not None and any(model is m for m in self.amp.models):
+        if self.amp is not None and self.amp.holds(model):
             raise ConfigError(
                 f"the launcher already paired {type(model).__name__} with an earlier optimizer; a second optimizer "
                 f"over the same model needs the one line `model, [opt1, opt2] = amp_patch.initialize(model, "
                 f"[opt1, opt2], opt_level={self.settings.opt_level!r})` in the script"
             )
         # The launcher's own later calls add to its state instead of replacing it.
-        saved = getattr(self.amp, "provisional", None)
+        saved = self.amp.provisional if self.amp is not None else None
         if self.amp is not None:
             self.amp.provisional = None
         try:

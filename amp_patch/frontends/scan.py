@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
-import importlib.util
 import types
 from typing import Dict, List, Optional, Tuple
 
@@ -74,26 +72,18 @@ class _Collector(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def _splits(dotted: str) -> List[Tuple[str, List[str]]]:
-    """Every ``(served module name, attribute names after it)`` reading of
-    ``dotted``, longest module first: ``apex.amp._amp_state.x`` is both the
-    module ``apex.amp._amp_state`` and the attribute ``_amp_state`` of ``apex.amp``."""
+def _splits(dotted: str) -> List[Tuple[str, types.ModuleType, List[str]]]:
+    """Every ``(served module name, its stand-in, attribute names after it)``
+    reading of ``dotted``, longest module first: ``apex.amp._amp_state.x`` is
+    both the module ``apex.amp._amp_state`` and the attribute ``_amp_state`` of ``apex.amp``."""
     parts = dotted.split(".")
     out = []
     for n in range(len(parts), 0, -1):
         mod = ".".join(parts[:n])
-        if _exists(alias.standin_of(mod)):
-            out.append((mod, parts[n:]))
+        module = alias.standin_module(mod)
+        if module is not None:
+            out.append((mod, module, parts[n:]))
     return out
-
-
-def _exists(standin: object) -> bool:
-    if standin is None or isinstance(standin, types.ModuleType):
-        return standin is not None
-    try:
-        return importlib.util.find_spec(standin) is not None
-    except ModuleNotFoundError:  # its parent is no module either
-        return False
 
 
 def _lookup(obj: object, attr: str) -> object:
@@ -111,9 +101,7 @@ def resolve(dotted: str) -> Tuple[Optional[str], str]:
     if not readings:
         return None, alias.replacement(dotted)
     failure = ""
-    for mod, rest in readings:
-        standin = alias.standin_of(mod)
-        obj = standin if isinstance(standin, types.ModuleType) else importlib.import_module(standin)
+    for mod, obj, rest in readings:
         where = obj.__name__
         for i, attr in enumerate(rest):
             if attr == "*":

@@ -53,7 +53,7 @@ static int wrapt_heap;              /* wrapt >= 2.2 builds heap types, which vis
                                        release the object's type themselves */
 static PyTypeObject *tensor_type;   /* torch.Tensor */
 static PyObject *disabled;          /* wrappers.disabled: {thread: depth} */
-static PyObject *python_only;            /* wrappers.python_only: non-empty = Python only */
+static PyObject *python_only;       /* wrappers.python_only: non-empty = Python only */
 static PyObject *grad_enabled;      /* torch._C.is_grad_enabled */
 static PyObject *one;               /* the int 1 */
 static PyObject *str_dtype, *str_on, *str_requires_grad, *str_is_leaf, *str_staticmethod, *str_version, *str_data_ptr;

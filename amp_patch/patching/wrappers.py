@@ -511,8 +511,6 @@ def _inplace(policy, qualname, live, ledger=None):
     return wrapper
 
 
-
-
 def _called_from_torch() -> bool:
     """True when torch's own code made the call being refused.
 

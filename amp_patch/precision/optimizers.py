@@ -26,7 +26,7 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
     fused.validate(props, options, list(optimizers))
     amp = running
     for i, opt in enumerate(optimizers):
-        if amp is not None and id(opt) in amp.optimizer_handles and amp.optimizer_handles[id(opt)].patched:
+        if amp is not None and amp.attached(opt):
             raise ConfigError(f"optimizer {i} ({type(opt).__name__}) is already attached; pass each optimizer to initialize once")
     if props.master_weights and props.cast_model_type is None and not any(
         p.dtype in LOW for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()

@@ -113,8 +113,6 @@ class LossScaler:
                 f"[{self.min_scale!r}, {self.max_scale!r}]"
             )
         self.scale: float = init if self.dynamic else loss_scale
-        #: scaling does work (scale, unscale, check) only when active
-        self.active = self.dynamic or self.scale != 1.0
         self.growth_tracker = 0  # clean updates since the last change (Apex's "unskipped")
         self.hysteresis_left = self.hysteresis
         self.steps = 0  # updates, one per optimizer step this loss fed
@@ -123,6 +121,12 @@ class LossScaler:
         self.skips_at_min = 0  # consecutive overflows with the scale already at its floor
         #: ``(step, scale used, skipped)`` for the last ``HISTORY_LENGTH`` updates
         self.history: Deque[Tuple[int, float, bool]] = collections.deque(maxlen=HISTORY_LENGTH)
+
+    @property
+    def active(self) -> bool:
+        """Scaling does work (scale, unscale, check) only when active: dynamic,
+        or a static scale other than 1.0 (whoever set it)."""
+        return self.dynamic or self.scale != 1.0
 
     @property
     def at_min(self) -> bool:
@@ -235,7 +239,6 @@ class LossScaler:
             )
             scale = clamped
         self.scale = scale
-        self.active = self.dynamic or scale != 1.0
         self.growth_tracker = ints.pop("unskipped")
         for k, v in ints.items():
             setattr(self, k, v)

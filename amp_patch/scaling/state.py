@@ -114,19 +114,29 @@ class Run:
 
     def __init__(self, amp: Any):
         self.amp = amp
-        opts: Options = amp.options
-        self.scalers: List[LossScaler] = [
-            LossScaler(amp.props.loss_scale, **opts.scaler_kwargs()) for _ in range(opts.num_losses)
-        ]
-        self.max_skips = opts.max_consecutive_skips
+        self.scalers: List[LossScaler] = []
+        self.max_skips: Optional[int] = None
         self.handles: List[Handle] = []  # patched, in attach order: what a plain backward feeds
         self.found: Dict[Tuple[int, torch.device], Tensor] = {}  # (loss, device) -> inf/NaN flag this step
         self.checked: set = set()  # losses checked since the last skip decision
         self.inv: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
         self.undecided = False  # something awaits a transfer or a skip decision
         self.plain = False  # the patched backward has work to do
-        self.notices = _Notices(opts.verbosity)
+        self.notices = _Notices(amp.options.verbosity)
         self.warned_foreign = False  # said once that a backward reached an unattached optimizer's parameters
+        self.configure(amp.options)
+
+    def new_scaler(self, opts: Options) -> LossScaler:
+        return LossScaler(self.amp.props.loss_scale, **opts.scaler_kwargs())
+
+    def configure(self, opts: Options, scalers: Optional[List[LossScaler]] = None) -> None:
+        """Take the session's options: the loss scalers (``scalers``, else
+        ``opts.num_losses`` new ones), the skip limit, the notices' verbosity."""
+        self.scalers[:] = scalers if scalers is not None else [self.new_scaler(opts) for _ in range(opts.num_losses)]
+        self.amp.scalers[:] = self.scalers  # what diagnostics reads
+        self.max_skips = opts.max_consecutive_skips
+        self.notices.verbosity = opts.verbosity
+        self.refresh_plain()
 
     def refresh_plain(self) -> None:
         self.plain = bool(self.handles) and (
@@ -185,7 +195,6 @@ def run_of(amp: Any) -> Run:
     run = amp.run
     if run is None:
         run = amp.run = Run(amp)
-        amp.scalers[:] = run.scalers
     return run
 
 
@@ -392,13 +401,8 @@ class _Restore:
 
     def __call__(self) -> None:
         self.amp.options = self.options
-        run = self.amp.run
-        if run is not None and self.scalers is not None:
-            run.scalers[:] = self.scalers
-            self.amp.scalers[:] = self.scalers
-            run.max_skips = self.options.max_consecutive_skips
-            run.notices.verbosity = self.options.verbosity
-            run.refresh_plain()
+        if self.amp.run is not None and self.scalers is not None:
+            self.amp.run.configure(self.options, self.scalers)
 
 
 def restart(amp: Any, options: Options) -> None:
@@ -420,23 +424,18 @@ def restart(amp: Any, options: Options) -> None:
         amp.options, **{k: getattr(options, k) for k in SESSION_WIDE if k in options.given}
     )
     if run is not None:
-        opts = amp.options
-        run.scalers[:] = [LossScaler(amp.props.loss_scale, **opts.scaler_kwargs()) for _ in range(opts.num_losses)]
-        amp.scalers[:] = run.scalers
-        run.max_skips = opts.max_consecutive_skips
-        run.notices.verbosity = opts.verbosity
-        run.refresh_plain()
+        run.configure(amp.options)
 
 
 def add_losses(amp: Any, n: int) -> None:
-    """Grow the run to ``n`` loss scalers (Apex's ``wrap_optimizer(num_loss=n)``);
+    """Grow the run to at least ``n`` loss scalers (Apex's ``wrap_optimizer(num_loss=n)``);
     the new ones start from the run's settings. Pushes its undo."""
     run = run_of(amp)
+    if len(run.scalers) >= n:
+        return
     amp.undo.push(_Restore(amp))
     amp.options = dataclasses.replace(amp.options, num_losses=n)
-    while len(run.scalers) < n:
-        run.scalers.append(LossScaler(amp.props.loss_scale, **amp.options.scaler_kwargs()))
-    amp.scalers[:] = run.scalers
+    run.configure(amp.options, run.scalers + [run.new_scaler(amp.options) for _ in range(n - len(run.scalers))])
 
 
 def _on_overflow(run: Run, loss_id: int, scaler: LossScaler, before: float) -> None:

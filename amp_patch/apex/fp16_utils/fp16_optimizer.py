@@ -26,7 +26,7 @@ from torch import nn
 
 from ...diagnostics import warn_user
 from ...patching.cast import LOW, cast
-from ...precision.master import MasterWeights
+from ...precision.master import MasterWeights, params_of
 from ...scaling.scaler import DEFAULTS, LossScaler
 from .fp16util import clip_grad_norm
 
@@ -241,16 +241,7 @@ class FP16_Optimizer:
 
             optimizer.zero_grad()
         """
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if set_grads_to_None:
-                    p.grad = None
-                elif p.grad is not None:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+        self.optimizer.zero_grad(set_to_none=set_grads_to_None)
         self._masters.zero_model_grads(set_grads_to_None)
         self._found.clear()
         self._pending = self._fp32_unscaled = False
@@ -293,7 +284,7 @@ class FP16_Optimizer:
 
             optimizer.update_master_grads()
         """
-        unscale = self._unscale if self.dynamic_loss_scale or self.loss_scaler.scale != 1.0 else None
+        unscale = self._unscale if self.loss_scaler.active else None
         self._masters.collect_grads(unscale)
         if self._pending:
             grads = [p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None]
@@ -357,8 +348,7 @@ class FP16_Optimizer:
         """
         if self.overflow:
             return -1
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        return self.clip_grad_norm(params, max_norm, norm_type)
+        return self.clip_grad_norm(list(params_of(self.optimizer)), max_norm, norm_type)
 
     def inspect_master_grad_data(self) -> Optional[List[List[Optional[Tensor]]]]:
         """The FP32 gradients the optimizer steps, one list per param group

@@ -20,6 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ...diagnostics.notices import warn_user
+from ...patching.cast import LOW
 
 __all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
 
@@ -135,7 +136,7 @@ class _Averaging:
 # evaluation they are strings.
 def _allreduce_hook(state, bucket):
     buffer = bucket.buffer()
-    wide = state.fp32 and buffer.dtype in (torch.float16, torch.bfloat16)
+    wide = state.fp32 and buffer.dtype in LOW
     tensor = buffer.float() if wide else buffer
     if state.before != 1.0:
         tensor.mul_(state.before)

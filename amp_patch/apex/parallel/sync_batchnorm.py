@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ...patching.cast import LOW
+
 __all__ = ["SyncBatchNorm", "convert_syncbn_model", "create_syncbn_process_group"]
 
 
@@ -114,7 +116,7 @@ class SyncBatchNorm(_BatchNorm):
         channels = x.shape[1]
         dims = [d for d in range(x.dim()) if d != 1]
         shape = [1, channels] + [1] * (x.dim() - 2)
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = x.float() if x.dtype in LOW else x
         local_count = xf.new_full((1,), xf.numel() // channels)
         # One all-reduce for the sums and the element count (ranks' batches may differ in size),
         # then one for the squared deviations: two passes, which keep the variance accurate.
