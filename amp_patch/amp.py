@@ -30,6 +30,7 @@ from . import frontend as _frontend
 from . import scaling, session
 from .apex import amp_state as _amp_state_module
 from .apex import handle as _handle_module
+from .apex import scaler as _scaler_module
 from .apex.amp_state import _amp_state
 from .apex.handle import init
 from .frontend import (
@@ -50,7 +51,7 @@ SUBMODULES = {
     "_amp_state": _amp_state_module,
     "frontend": sys.modules[__name__],
     "handle": _handle_module,
-    "scaler": _amp_state_module,
+    "scaler": _scaler_module,
     "amp": sys.modules[__name__],
 }
 

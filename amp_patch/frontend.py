@@ -53,7 +53,8 @@ def _as_list(obj: Any, kind: type, what: str) -> Tuple[List[Any], bool]:
     else:
         items, was_list = [obj], False
     for i, x in enumerate(items):
-        if not isinstance(x, kind):
+        # an optimizer may come wrapped (Apex's LARC): the optimizer inside is attached
+        if not (isinstance(x, kind) if kind is torch.nn.Module else optimizers_side.inner_optimizer(x) is not None):
             where = f"{what}[{i}]" if was_list else what
             raise ConfigError(
                 f"{where} is a {type(x).__module__}.{type(x).__qualname__}; initialize expects "
@@ -213,6 +214,8 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     (see ``_apex_rerun``)."""
     model_list, models_were_list = _as_list(models, torch.nn.Module, "models")
     opt_list, opts_were_list = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    inner_opts = [optimizers_side.inner_optimizer(o) for o in opt_list]
+    wrappers = [o for o, inner in zip(opt_list, inner_opts) if o is not inner]
     # What the launcher (or amp_patch.auto) started is provisional: a script's
     # own initialize replaces it, keeping the launcher's half dtype and op
     # lists unless this call names its own, so nothing is patched twice. It is
@@ -248,9 +251,9 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     validate_options(props, options)
     replaced = None
     if apex_rules and running is not None:
-        running, replaced, new_models, new_opts = _apex_rerun(running, props, lists, model_list, opt_list)
+        running, replaced, new_models, new_opts = _apex_rerun(running, props, lists, model_list, inner_opts)
     else:
-        new_models, new_opts = model_list, opt_list
+        new_models, new_opts = model_list, inner_opts
     model_side.validate(new_models, props, options)
     optimizers_side.validate(new_models, new_opts, props, options, running)
 
@@ -298,6 +301,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         built = optimizers_side.attach(amp, new_models, new_opts, originals, options)
         inflight.watch(amp, new_models)
         optimizer_scaling.attach(amp, new_opts, built)
+        optimizer_scaling.attach_wrappers(amp, [w for w in wrappers if any(w.optim is o for o in new_opts)])
         amp.extend(amp.models, new_models)
         amp.extend(amp.optimizers, new_opts)
         if fresh:

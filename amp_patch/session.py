@@ -122,10 +122,14 @@ class Session:
         """True when ``model`` was passed to an ``initialize`` of this session."""
         return any(model is m for m in self.models)
 
-    def attached(self, optimizer: Any) -> bool:
-        """True when ``optimizer`` is attached (loss scaling, masters) to this session."""
+    def handle_of(self, optimizer: Any) -> Any:
+        """``optimizer``'s ``scaling.Handle`` while it is attached (loss scaling, masters), else None."""
         h = self.optimizer_handles.get(id(optimizer))
-        return h is not None and h.optimizer is optimizer and h.patched
+        return h if h is not None and h.optimizer is optimizer and h.patched else None
+
+    def attached(self, optimizer: Any) -> bool:
+        """True when ``optimizer`` is attached to this session."""
+        return self.handle_of(optimizer) is not None
 
     def patch(self, items: list) -> None:
         """Patch each ``(owner, name, make_wrapper)`` not patched yet, all or nothing, and push the undo."""

@@ -6,8 +6,10 @@ amp_patch.initialize, as the scripts that use these run.
 """
 from __future__ import annotations
 
+import importlib
 import io
 import logging
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 import amp_patch
 from amp_patch.apex import fp16_utils
+from amp_patch.apex.scaler import LossScaler as Served
 from amp_patch.apex.fp16_utils import (
     BN_convert_float,
     DynamicLossScaler,
@@ -32,6 +35,7 @@ from amp_patch.apex.fp16_utils import (
     to_python_float,
     tofp16,
 )
+from amp_patch.frontends import alias
 from helpers import batch, mlp, unannotated
 
 f16, f32 = torch.float16, torch.float32
@@ -579,3 +583,44 @@ def test_conversion_helpers_dtypes():
 def test_to_python_float():
     assert to_python_float(torch.tensor(2.5)) == 2.5 and isinstance(to_python_float(torch.tensor([3.0])), float)
     assert to_python_float([4.0]) == 4.0
+
+
+def test_a_real_apex_checkpoint_with_a_pickled_amp_scaler_loads_through_the_alias(tmp_path, monkeypatch):
+    """Apex's last FP16_Optimizer pickled an apex.amp.scaler.LossScaler: saved where
+    that Apex was installed, the checkpoint loads where only amp_patch is."""
+    fake = tmp_path / "apex"
+    (fake / "amp").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "amp" / "__init__.py").write_text("")
+    (fake / "amp" / "scaler.py").write_text(
+        "class LossScaler:\n"
+        "    def __init__(self):\n"
+        "        self.dynamic, self._loss_scale, self._unskipped = True, 512.0, 3\n"
+        "        self._max_loss_scale, self._min_loss_scale, self._scale_seq_len, self._has_overflow = 2.0**24, None, 2000, False\n"
+    )
+    model = half_net()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    import apex.amp.scaler as real_scaler
+
+    path = tmp_path / "ckpt.pt"
+    torch.save(apex_checkpoint(model, real_scaler.LossScaler()), path)
+
+    def forget_apex():  # the fake Apex before, the alias's stand-ins after: neither may outlive the test
+        for name in [m for m in sys.modules if m == "apex" or m.startswith("apex.")]:
+            del sys.modules[name]
+
+    forget_apex()
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    importlib.invalidate_caches()
+    assert amp_patch.install_apex_alias()
+    try:
+        ckpt = torch.load(path, weights_only=False)
+    finally:
+        alias.remove_apex_alias()
+        forget_apex()
+    assert type(ckpt["loss_scaler"]) is Served and ckpt["loss_scaler"].loss_scale() == 512.0
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), dynamic_loss_scale=True,
+                         verbose=False)
+    opt.load_state_dict(ckpt)
+    assert opt.loss_scale == 512.0

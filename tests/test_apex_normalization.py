@@ -210,6 +210,14 @@ def test_o5_keeps_a_fused_layer_norm_fp32_as_it_keeps_nn_layer_norm():
     torch.testing.assert_close(losses, ref, rtol=1e-2, atol=1e-3)
 
 
+def test_o5_keeps_a_mixed_norm_fp32_and_its_fp32_output_rejoins_the_half_model():
+    keep = lambda module, name: isinstance(module, nn.LayerNorm)  # noqa: E731
+    losses, dtype = o5_losses(N.MixedFusedLayerNorm, keep_fp32=keep)
+    ref, ref_dtype = o5_losses(nn.LayerNorm, keep_fp32=keep)
+    assert dtype == ref_dtype == torch.float32 and losses[-1] < losses[0]
+    torch.testing.assert_close(losses, ref, rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", HALF)
 def test_dtype_contract_on_cuda(dtype):

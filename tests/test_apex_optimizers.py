@@ -676,3 +676,20 @@ def test_fused_adam_on_cuda_is_torch_adamw():
     f = torch.zeros(1, dtype=torch.int, device="cuda")
     total, _ = amp_C.multi_tensor_l2norm(0, f, [[p.grad for p in a]], False)
     assert total.device.type == "cuda" and f.item() == 0
+
+
+@pytest.mark.parametrize("level", ["O1", "O5"])
+def test_zero_grad_under_amp_patch_still_follows_set_grad_none(level):
+    # amp_patch's patched zero_grad must leave the optimizer's own default alone
+    for set_grad_none in (True, False):
+        model = nn.Linear(4, 4)
+        opt = FusedSGD(model.parameters(), lr=0.1, set_grad_none=set_grad_none)
+        with amp(model, opt, level):
+            model(torch.randn(2, 4)).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            grads = [p.grad for group in opt.param_groups for p in group["params"]]
+            if set_grad_none:
+                assert all(g is None for g in grads)
+            else:
+                assert all(g is not None and not g.any() for g in grads)

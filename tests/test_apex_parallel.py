@@ -17,7 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import amp_patch
 import amp_patch.apex.parallel as parallel
+from amp_patch import amp
 from amp_patch.apex.parallel import DistributedDataParallel, Reducer, SyncBatchNorm, convert_syncbn_model
 from amp_patch.apex.parallel.LARC import LARC
 from amp_patch.apex.parallel.multiproc import main as multiproc_main
@@ -483,3 +485,30 @@ def test_multiproc_points_to_torchrun(capsys):
 
 if __name__ == "__main__":
     _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_larc_under_amp_initialize_rescales_true_gradients(level):
+    """SwAV's pattern: amp.initialize(model, LARC(opt)). LARC reads the gradients
+    to rescale them, so it must see them unscaled (and, under O2, in the masters)."""
+    def train(loss_scale, wrap=True):
+        model = mlp(8, 16, 2)
+        inner = sgd(model, momentum=0.9, weight_decay=1e-4)
+        opt = LARC(inner, trust_coefficient=0.001, clip=False) if wrap else inner
+        model, given = amp.initialize(model, opt, opt_level=level, half_dtype=torch.float16, loss_scale=loss_scale,
+                                      verbosity=0)
+        assert given is opt  # handed back as given
+        try:
+            for i in range(3):
+                x, y = batch(i, 8, 2, rows=16)
+                opt.zero_grad()
+                with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+                    scaled.backward()
+                opt.step()
+        finally:
+            amp_patch.deinitialize()
+        return [p.detach() for p in model.parameters()]
+
+    scaled, unscaled, plain = train(1024.0), train(1.0), train(1.0, wrap=False)
+    assert all(torch.equal(a, b) for a, b in zip(scaled, unscaled))  # the loss scale changes nothing
+    assert not all(torch.equal(a, b) for a, b in zip(unscaled, plain))  # and LARC did rescale

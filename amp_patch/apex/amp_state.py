@@ -25,7 +25,7 @@ from ..scaling import state as scaling_state
 
 log = logging.getLogger("amp_patch")
 
-__all__ = ["AmpState", "LossScaler", "Properties", "master_params", "maybe_print", "warn_or_err", "_amp_state"]
+__all__ = ["AmpState", "Properties", "ScalerView", "master_params", "maybe_print", "warn_or_err", "_amp_state"]
 
 
 def _running(what: str) -> Any:
@@ -38,7 +38,7 @@ def _running(what: str) -> Any:
     return amp
 
 
-class LossScaler:
+class ScalerView:
     """Apex's ``amp.scaler.LossScaler`` surface over one of amp_patch's loss scalers.
 
     ``loss_scale()``, ``_loss_scale`` (readable and writable), ``_unskipped``
@@ -210,9 +210,9 @@ class AmpState:
         return _PROPERTIES
 
     @property
-    def loss_scalers(self) -> List[LossScaler]:
+    def loss_scalers(self) -> List[ScalerView]:
         run = scaling_state.run_of(_running("loss_scalers"))
-        return [LossScaler(i) for i in range(len(run.scalers))]
+        return [ScalerView(i) for i in range(len(run.scalers))]
 
     @property
     def handle(self) -> Handle:

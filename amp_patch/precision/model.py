@@ -34,7 +34,7 @@ Tensor = torch.Tensor
 f32 = torch.float32
 
 #: modules whose kernels take half inputs with FP32 parameters natively, so a
-#: kept-FP32 one needs no casting hooks around it
+#: kept-FP32 one needs no cast of its inputs
 _MIXED_INPUT_OK = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
 Filter = Callable[[nn.Module, str], bool]
@@ -306,7 +306,9 @@ def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep
             skip.update(id(m) for m in mod.modules())
             if not isinstance(mod, _MIXED_INPUT_OK):
                 rec.handles.append(mod.register_forward_pre_hook(CastInputs(f32), with_kwargs=True))
-                rec.handles.append(mod.register_forward_hook(CastOutputs(dtype)))
+            # the output rejoins the half model; a norm that takes half input may
+            # still return its weights' dtype (Apex's MixedFusedLayerNorm returns FP32)
+            rec.handles.append(mod.register_forward_hook(CastOutputs(dtype)))
             continue
         changed = False
         for p in mod._parameters.values():

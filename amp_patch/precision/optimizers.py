@@ -15,6 +15,15 @@ from ..patching.cast import LOW
 from . import fused, master
 
 
+def inner_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer ``obj`` is, or wraps as ``.optim`` (Apex's ``LARC``,
+    which ``amp.initialize`` accepted), or None."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return obj
+    inner = getattr(obj, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+
 def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer], props: Any,
              options: Options, running: Any) -> None:
     """Check ``optimizers`` (with the ``models`` they come with) before anything

@@ -9,6 +9,7 @@ import torch
 from .. import session
 from ..errors import ConfigError, StateError
 from ..precision import master
+from ..precision.optimizers import inner_optimizer
 from ..options import Options
 from . import patches
 from .scaler import LossScaler
@@ -40,11 +41,12 @@ def current(what: str) -> Any:
 def _handles(amp: Any, optimizers: Any, what: str) -> List[Handle]:
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     out = []
-    for i, opt in enumerate(opts):
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(f"amp_patch.{what}: optimizers[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer")
-        h = amp.optimizer_handles.get(id(opt))
-        if h is None or h.optimizer is not opt or not h.patched:
+    for i, given in enumerate(opts):
+        opt = inner_optimizer(given)
+        if opt is None:
+            raise ConfigError(f"amp_patch.{what}: optimizers[{i}] is a {type(given).__name__}, not a torch.optim.Optimizer")
+        h = amp.handle_of(opt)
+        if h is None:
             raise StateError(
                 f"amp_patch.{what}: this {type(opt).__name__} was not passed to initialize. Pass it there "
                 f"(initialize(model, [opt1, opt2], ...)) or attach it with amp_patch.adopt_optimizer(opt)."

@@ -18,10 +18,7 @@ _NOTSET = object()
 
 def _lookup(optimizer: Any) -> Optional[Handle]:
     amp = session.current()
-    if amp is None:
-        return None
-    h = amp.optimizer_handles.get(id(optimizer))
-    return h if h is not None and h.optimizer is optimizer and h.patched else None
+    return None if amp is None else amp.handle_of(optimizer)
 
 
 def _step(self, *args: Any, **kwargs: Any) -> Any:
@@ -57,7 +54,7 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
     decide_skips(run)
     skip = bool(h.skip)
     if not skip:
-        # A skip skip decision stands until the next backward: a second step() with
+        # A skip decision stands until the next backward: a second step() with
         # no backward in between must not apply the overflowed gradients.
         h.skip = None
     if skip:
@@ -131,13 +128,16 @@ class _AbsorbAfter:
         return loss
 
 
-def _zero_grad(self, set_to_none: bool = True) -> None:
+def _zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+    # None: the optimizer's own default decides (torch's is True; Apex's
+    # FusedSGD keeps its constructor's set_grad_none)
+    args = () if set_to_none is None else (set_to_none,)
     h = _lookup(self)
     if h is None:
-        return type(self).zero_grad(self, set_to_none)
-    h.originals["zero_grad"](set_to_none)
+        return type(self).zero_grad(self, *args)
+    h.originals["zero_grad"](*args)
     if h.masters is not None:
-        h.masters.zero_model_grads(set_to_none)
+        h.masters.zero_model_grads(True if set_to_none is None else set_to_none)
     # the gradients are gone, and with them what was decided about them
     h.move(Stage.READY)
     h.parked = None
@@ -217,3 +217,32 @@ def attach(amp: Any, optimizers: Sequence[torch.optim.Optimizer], built: Optiona
         run.handles.append(h)
         amp.undo.push(_RestoreMethods(amp, h))
     ensure_patches(amp)
+
+
+def attach_wrappers(amp: Any, wrappers: Sequence[Any]) -> None:
+    """Make each optimizer wrapper's ``step`` (Apex's ``LARC``, which reads the
+    gradients to rescale them before its optimizer's step) see true gradients:
+    the attached optimizer inside is unscaled first (into the masters under
+    O2), and its own patched step then skips on overflow as usual."""
+    for w in wrappers:
+        saved = vars(w).get("step", _NOTSET)
+        w.step = types.MethodType(_wrapper_step, w)
+        amp.undo.push(_RestoreWrapper(w, saved))
+
+
+def _wrapper_step(self, *args: Any, **kwargs: Any) -> Any:
+    h = _lookup(self.optim)
+    if h is not None:
+        transfer(h.run, h)
+    return type(self).step(self, *args, **kwargs)
+
+
+class _RestoreWrapper:
+    def __init__(self, wrapper: Any, saved: Any):
+        self.wrapper, self.saved = wrapper, saved
+
+    def __call__(self) -> None:
+        if self.saved is _NOTSET:
+            del self.wrapper.step
+        else:
+            self.wrapper.step = self.saved
