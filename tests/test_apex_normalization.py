@@ -202,17 +202,11 @@ def test_o5_converts_and_trains_the_norms(norm):
     assert dtype == torch.bfloat16 and losses[-1] < losses[0]
 
 
-def test_o5_keeps_a_fused_layer_norm_fp32_as_it_keeps_nn_layer_norm():
+@pytest.mark.parametrize("cls", ["FusedLayerNorm", "MixedFusedLayerNorm"])
+def test_o5_keeps_a_fused_layer_norm_fp32_as_it_keeps_nn_layer_norm(cls):
+    # the Mixed norm's FP32 output must rejoin the half model as the others' half output does
     keep = lambda module, name: isinstance(module, nn.LayerNorm)  # noqa: E731
-    losses, dtype = o5_losses(N.FusedLayerNorm, keep_fp32=keep)
-    ref, ref_dtype = o5_losses(nn.LayerNorm, keep_fp32=keep)
-    assert dtype == ref_dtype == torch.float32 and losses[-1] < losses[0]
-    torch.testing.assert_close(losses, ref, rtol=1e-2, atol=1e-3)
-
-
-def test_o5_keeps_a_mixed_norm_fp32_and_its_fp32_output_rejoins_the_half_model():
-    keep = lambda module, name: isinstance(module, nn.LayerNorm)  # noqa: E731
-    losses, dtype = o5_losses(N.MixedFusedLayerNorm, keep_fp32=keep)
+    losses, dtype = o5_losses(getattr(N, cls), keep_fp32=keep)
     ref, ref_dtype = o5_losses(nn.LayerNorm, keep_fp32=keep)
     assert dtype == ref_dtype == torch.float32 and losses[-1] < losses[0]
     torch.testing.assert_close(losses, ref, rtol=1e-2, atol=1e-3)
