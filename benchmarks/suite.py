@@ -37,9 +37,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from workloads import MODES, Runner, build  # noqa: E402
+from workloads import APEX_MODES, MODES, Runner, build  # noqa: E402
 
 WORKLOADS = ("simplenet", "transformer", "convnet", "smallops")
+GPU_WORKLOADS = ("gpt", "resnet")  # sized so an FP32 step takes well over 20 ms on a current GPU
 
 
 def _sync(device):
@@ -57,8 +58,14 @@ def worker(conn, workload, mode, device, half_name, scale, threads):
     base = _rss_mb()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    wl = build(workload, gpu=device == "cuda", scale=scale)
-    runner = Runner(wl, mode, device, half, copy_model=False)
+    try:
+        wl = build(workload, gpu=device == "cuda", scale=scale)
+        runner = Runner(wl, mode, device, half, copy_model=False)
+        runner.step()  # a mode that cannot run (no Apex, no compiler) drops out here, not mid-round
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}", 0.0))
+        conn.close()
+        return
     # One thread: the process's CPU time is the step time without the time
     # other work on the machine held the core. Several threads: wall clock.
     clock = time.process_time if threads == 1 and device == "cpu" else time.perf_counter
@@ -73,13 +80,25 @@ def worker(conn, workload, mode, device, half_name, scale, threads):
     loss = None
     while True:
         cmd, arg = conn.recv()
-        if cmd == "run":
+        if cmd == "run" and device == "cuda":
+            # CUDA events around the block: device time, no host clock in the way
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            w0 = time.perf_counter()
+            start.record()
+            for _ in range(arg):
+                loss = runner.step()
+            end.record()
+            end.synchronize()
+            conn.send((start.elapsed_time(end) / 1e3 / arg, (time.perf_counter() - w0) / arg))
+        elif cmd == "run":
             _sync(device)
             c0, w0 = clock(), time.perf_counter()
             for _ in range(arg):
                 loss = runner.step()
             _sync(device)
             conn.send(((clock() - c0) / arg, (time.perf_counter() - w0) / arg))
+        elif cmd == "syncs":
+            conn.send(count_syncs(runner) if device == "cuda" else float("nan"))
         elif cmd == "loss":
             conn.send(loss.item())
         elif cmd == "mem":
@@ -90,6 +109,23 @@ def worker(conn, workload, mode, device, half_name, scale, threads):
         else:
             conn.close()
             return
+
+
+def count_syncs(runner, steps: int = 3) -> float:
+    """Host syncs per training step, as ``torch.cuda.set_sync_debug_mode`` reports them."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                runner.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in seen) / steps
 
 
 def gemm_peak(device, dtype, n=2048, reps=10) -> float:
@@ -115,8 +151,14 @@ def run_workload(workload, modes, device, half, rounds, block_s, scale, threads)
         p.start()
         procs[mode], conns[mode] = p, parent
         msg = parent.recv()  # start workers one at a time: building is CPU-heavy
+        if msg[0] == "error":
+            print(f"[suite] {workload}: mode {mode} dropped: {msg[1]}", flush=True)
+            p.join(30)
+            del procs[mode], conns[mode]
+            continue
         flops = msg[1]
         warm.append(msg[2])
+    modes = [m for m in modes if m in conns]
     # Every mode runs the same number of steps per block (so the same batches),
     # enough for the slowest to take about block_s seconds.
     block = max(1, round(block_s / max(warm)))
@@ -142,6 +184,8 @@ def run_workload(workload, modes, device, half, rounds, block_s, scale, threads)
         loss = conns[mode].recv()
         conns[mode].send(("mem", None))
         mem = conns[mode].recv()
+        conns[mode].send(("syncs", None))
+        syncs = conns[mode].recv()
         conns[mode].send(("stop", None))
         procs[mode].join(30)
         out["modes"][mode] = {
@@ -151,6 +195,7 @@ def run_workload(workload, modes, device, half, rounds, block_s, scale, threads)
             "ratio_iqr": _quartiles(ratios[mode]),
             "loss": loss,
             "mem_mb": mem,
+            "syncs": syncs,
         }
     fp32 = out["modes"].get("fp32", {}).get("step_s")
     for mode, m in out["modes"].items():
@@ -167,8 +212,8 @@ def _quartiles(values: List[float]) -> tuple:
 
 def table(results, peak) -> str:
     lines = [
-        "| workload | mode | step ms | wall ms | speedup vs FP32 | ratio to autocast (IQR) | peak mem MB | MFU | final loss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | mode | step ms | wall ms | speedup vs FP32 | ratio to autocast (IQR) | peak mem MB | MFU | host syncs/step | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for wl, res in results.items():
         for mode, m in res["modes"].items():
@@ -176,15 +221,17 @@ def table(results, peak) -> str:
             lo, hi = m["ratio_iqr"]
             lines.append(
                 f"| {wl} | {mode} | {m['step_s'] * 1e3:.1f} | {m['wall_s'] * 1e3:.1f} | {m['speedup_fp32']:.2f}× | "
-                f"{m['ratio_autocast']:.2f} ({lo:.2f}–{hi:.2f}) | {m['mem_mb']:.1f} | {mfu:.1%} | {m['loss']:.5f} |"
+                f"{m['ratio_autocast']:.2f} ({lo:.2f}–{hi:.2f}) | {m['mem_mb']:.1f} | {mfu:.1%} | {m['syncs']:.1f} | {m['loss']:.5f} |"
             )
     return "\n".join(lines)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="amp_patch benchmark suite")
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS + GPU_WORKLOADS,
+                    help=f"default: {' '.join(WORKLOADS)} on CPU, {' '.join(GPU_WORKLOADS)} on CUDA")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + APEX_MODES,
+                    help="apex-O1/apex-O2 run NVIDIA Apex's own apex.amp (CUDA, an Apex checkout on PYTHONPATH)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--block-seconds", type=float, default=1.0, help="about how long one block of steps runs")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink or grow the CPU sizes")
@@ -200,6 +247,8 @@ def main(argv=None):
         # multi-threaded op waits for its slowest thread: with another process
         # holding one of two cores, a 0.2 ms ReLU took 8 ms at two threads.
         args.threads = 1 if args.device == "cpu" else os.cpu_count()
+    if args.workloads is None:
+        args.workloads = list(GPU_WORKLOADS if args.device == "cuda" else WORKLOADS)
     if args.quick:
         args.scale, args.rounds, args.block_seconds = 0.125, 2, 0.05
     half = getattr(torch, args.dtype) if args.dtype else (torch.float16 if args.device == "cuda" else torch.bfloat16)
@@ -214,11 +263,11 @@ def main(argv=None):
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name()
     text = table(results, peak)
     blocks = ", ".join(f"{wl} {r['block']}" for wl, r in results.items())
-    clock = "process CPU time" if args.threads == 1 and args.device == "cpu" else "wall clock"
+    clock = "process CPU time" if args.threads == 1 and args.device == "cpu" else ("CUDA-event time" if args.device == "cuda" else "wall clock")
     half_name = str(half).split(".")[-1]
     header = (
         f"Device: {args.device} ({device_name}), {args.threads} thread(s) per worker, half dtype {half_name}, "
-        f"torch {torch.__version__}. {args.rounds} rounds; each round runs every mode for one block of steps "
+        f"torch {torch.__version__}{' CUDA ' + str(torch.version.cuda) if args.device == 'cuda' else ''}. {args.rounds} rounds; each round runs every mode for one block of steps "
         f"(steps per block: {blocks}), in an order rotated each round. Step ms is the {clock} per step and "
         f"wall ms the wall clock, medians over rounds; the ratio to autocast is taken within each round, then the "
         f"median (IQR: its interquartile range over rounds). GEMM peak ({n}x{n}) measured in this run: {half_name} {peak / 1e12:.2f} TFLOP/s, float32 "

@@ -88,8 +88,88 @@ class Encoder(nn.Module):
         return self.head(self.encoder(self.embed(tokens)))
 
 
+class GPT(nn.Module):
+    """A GPT-style decoder: token and position embeddings, pre-norm causal
+    self-attention blocks, a tied output head."""
+
+    def __init__(self, d_model=1024, heads=16, layers=8, vocab=8192, seq=512):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.zeros(seq, d_model))
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, tokens):
+        n = tokens.shape[1]
+        x = self.embed(tokens) + self.pos[:n]
+        x = self.blocks(x, mask=self.mask[:n, :n], is_causal=True)
+        return self.head(self.norm(x))
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, c_in: int, c_mid: int, stride: int = 1):
+        super().__init__()
+        c_out = 4 * c_mid
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, c_mid, 1, bias=False), nn.BatchNorm2d(c_mid), nn.ReLU(inplace=True),
+            nn.Conv2d(c_mid, c_mid, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(c_mid), nn.ReLU(inplace=True),
+            nn.Conv2d(c_mid, c_out, 1, bias=False), nn.BatchNorm2d(c_out),
+        )
+        self.skip = nn.Identity() if stride == 1 and c_in == c_out else nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        return F.relu(self.body(x) + self.skip(x))
+
+
+class ResNet(nn.Module):
+    """A ResNet-50-style net of bottleneck blocks (fewer blocks per stage)."""
+
+    def __init__(self, width: int = 64, blocks=(2, 2, 2, 2), classes: int = 1000):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width),
+                                  nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
+        layers, c_in = [], width
+        for i, n in enumerate(blocks):
+            mid = width * 2 ** i
+            for j in range(n):
+                layers.append(Bottleneck(c_in, mid, stride=2 if j == 0 and i > 0 else 1))
+                c_in = 4 * mid
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(c_in, classes)
+
+    def forward(self, x):
+        return self.head(self.layers(self.stem(x)).mean((2, 3)))
+
+
+def _conv_flops(model: nn.Module, x: torch.Tensor) -> float:
+    """Multiply-add FLOPs of every Conv2d and Linear for one forward of ``x`` (x2 for forward, x3 with backward)."""
+    total = [0.0]
+
+    def hook(mod, inp, out):
+        if isinstance(mod, nn.Conv2d):
+            k = mod.kernel_size[0] * mod.kernel_size[1] * mod.in_channels // mod.groups
+            total[0] += 2 * out.numel() * k
+        elif isinstance(mod, nn.Linear):
+            total[0] += 2 * out.numel() * mod.in_features
+
+    hs = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    with torch.no_grad():
+        model.eval()
+        model(x[:1])
+        model.train()
+    for h in hs:
+        h.remove()
+    return 3 * total[0] * x.shape[0]
+
+
 def build(name: str, gpu: bool = False, scale: float = 1.0, nbatches: int = 4) -> Workload:
-    """One of: simplenet, transformer, convnet, smallops."""
+    """One of: simplenet, transformer, convnet, smallops; gpt and resnet (GPU sizes)."""
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     if name == "simplenet":
@@ -121,10 +201,28 @@ def build(name: str, gpu: bool = False, scale: float = 1.0, nbatches: int = 4) -
         model = SmallOps()
         batches = [(torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g)) for _ in range(nbatches)]
         return Workload(name, model, batches, F.mse_loss, 6 * 32 * (12 * 64 * 64 + 64))
-    raise ValueError(f"unknown workload {name!r}; use simplenet, transformer, convnet or smallops")
+    if name == "gpt":
+        d, layers, seq, batch, vocab = (1024, 8, 512, 16, 8192) if gpu else (int(256 * scale) or 64, 2, 64, 4, 1000)
+        model = GPT(d_model=d, heads=max(1, d // 64), layers=layers, vocab=vocab, seq=seq)
+        batches = [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(nbatches)]
+        tokens = batch * seq
+        flops = 6 * tokens * (layers * (12 * d * d + 2 * seq * d) + d * vocab)
+
+        def ce(out, tgt):
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
+
+        return Workload(name, model, batches, ce, flops, lr=1e-4)
+    if name == "resnet":
+        batch, hw, width = (256, 160, 64) if gpu else (4, 64, int(16 * scale) or 8)
+        model = ResNet(width)
+        batches = [(torch.randn(batch, 3, hw, hw, generator=g), torch.randint(0, 1000, (batch,), generator=g)) for _ in range(nbatches)]
+        return Workload(name, model, batches, F.cross_entropy, _conv_flops(model, batches[0][0]), lr=0.01)
+    raise ValueError(f"unknown workload {name!r}; use simplenet, transformer, convnet, smallops, gpt or resnet")
 
 
 MODES = ("fp32", "autocast", "O1", "O2", "O2-fused", "O3")
+#: NVIDIA Apex's own apex.amp, where an Apex checkout is importable (``PYTHONPATH``)
+APEX_MODES = ("apex-O1", "apex-O2")
 #: the amp_patch modes: opt level and extra ``initialize`` options
 AMP_MODES = {"O1": ("O1", {}), "O2": ("O2", {}), "O2-fused": ("O2", {"fused_update": True}), "O3": ("O3", {})}
 
@@ -144,6 +242,13 @@ class Runner:
         self.scaler: Optional[torch.amp.GradScaler] = None
         if mode == "autocast" and device == "cuda" and half == torch.float16:
             self.scaler = torch.amp.GradScaler("cuda")
+        self.apex = None
+        if mode in APEX_MODES:
+            # the real apex.amp (needs CUDA); only in a worker of its own, as amp_patch's
+            from apex import amp as apex_amp
+
+            self.apex = apex_amp
+            self.model, self.opt = apex_amp.initialize(self.model, self.opt, opt_level=mode[5:], verbosity=0)
         if mode in AMP_MODES:
             # amp_patch's state is per process: the suite runs each mode in its own.
             level, extra = AMP_MODES[mode]
@@ -152,7 +257,10 @@ class Runner:
     def step(self) -> torch.Tensor:
         x, y = self.batches[self.i % len(self.batches)]
         self.i += 1
-        self.opt.zero_grad(set_to_none=True)
+        if self.apex is not None:
+            self.opt.zero_grad()  # Apex's O2 zero_grad takes no set_to_none
+        else:
+            self.opt.zero_grad(set_to_none=True)
         if self.mode == "autocast":
             with torch.autocast(self.device, dtype=self.half):
                 loss = self.loss_fn(self.model(x), y)
@@ -165,6 +273,10 @@ class Runner:
                 self.opt.step()
             return loss
         loss = self.loss_fn(self.model(x), y)
-        loss.backward()
+        if self.apex is not None:
+            with self.apex.scale_loss(loss, self.opt) as scaled:
+                scaled.backward()
+        else:
+            loss.backward()
         self.opt.step()
         return loss
