@@ -7,6 +7,8 @@ importing torch twice) is most of the cost.
 
 Scenarios:
   * DDP under O1..O5, FP16 and BF16: the ranks end bitwise identical.
+  * ``no_sync()`` accumulation: true gradients after every micro-batch, and
+    the all-reduce of the whole sum at the last (compared with FP32).
   * An inf on one rank only: every rank skips the same step (DDP's all-reduce
     spreads it; with ``no_sync()`` accumulation, and with unrelated models per
     rank, amp_patch all-reduces the overflow flag itself).
@@ -34,6 +36,8 @@ DDP_CASES = [
 ]
 INF_CASES = ["inf-O1-plain", "inf-O2-scale_loss", "nosync-O1", "nosync-O2", "separate-models-O1",
              "inf-O2-fused", "nosync-O2-fused", "separate-models-O2-fused"]
+ACCUM_CASES = ["accum-O1", "accum-O2", "accum-O2-scale_loss"]
+MICRO = 3
 FSDP_CASES = ["fsdp-O1-bfloat16", "fsdp-O1-float16"]
 REFUSED = ["fsdp2-O2", "fsdp1-O2"]
 
@@ -149,6 +153,39 @@ def _inf_case(rank, name):
         amp_patch.deinitialize()
 
 
+def _accum_case(rank, name):
+    """MICRO micro-batches under ``no_sync()`` but the last, FP16 with a large
+    static scale: the gradients after every backward, and the batches, for the
+    test to compare with FP32."""
+    import amp_patch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    level = "O2" if "O2" in name else "O1"
+    model = _net(norm="layer")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = amp_patch.initialize(model, opt, level, half_dtype=torch.float16, loss_scale=1024.0, verbosity=0)
+    try:
+        ddp = DDP(model)
+        (batch,) = _batches(rank, n=1, micro=MICRO)
+        after = []
+        opt.zero_grad()
+        for k, (x, t) in enumerate(batch):
+            ctx = ddp.no_sync() if k < MICRO - 1 else _nothing()
+            with ctx:
+                loss = F.mse_loss(ddp(x).float(), t)
+                if "scale_loss" in name:
+                    with amp_patch.scale_loss(loss, opt) as scaled:
+                        scaled.backward()
+                else:
+                    loss.backward()
+            after.append([p.grad.detach().clone() for p in amp_patch.master_params(opt)])
+        opt.step()
+        return dict(after=after, batch=batch, skipped=amp_patch.counters()["skipped"],
+                    masters=[p.detach().clone() for p in amp_patch.master_params(opt)])
+    finally:
+        amp_patch.deinitialize()
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -219,6 +256,7 @@ def _refused_case(rank, kind):
 def _worker(rank, port, out_dir):
     cases = [(f"ddp-{lvl}-{half}", lambda lvl=lvl, half=half: _ddp_case(rank, lvl, half)) for lvl, half in DDP_CASES]
     cases += [(name, lambda name=name: _inf_case(rank, name)) for name in INF_CASES]
+    cases += [(name, lambda name=name: _accum_case(rank, name)) for name in ACCUM_CASES]
     cases += [(name, lambda name=name: _fsdp_case(rank, name.rsplit("-", 1)[1])) for name in FSDP_CASES]
     cases += [(name, lambda name=name: _refused_case(rank, name)) for name in REFUSED]
     serve_cases(rank, port, out_dir, WORLD, cases, timeout=120)
@@ -292,6 +330,32 @@ def test_inf_on_one_rank_skips_the_same_step_everywhere(ranks, name):
         assert not torch.equal(r0["states"][0]["0.weight"], r1["states"][0]["0.weight"])
     else:
         _assert_identical(r0["states"], r1["states"], "weights")
+
+
+@pytest.mark.parametrize("name", ACCUM_CASES)
+def test_no_sync_accumulation_gives_true_gradients_and_the_all_reduce_sees_the_whole_sum(ranks, name):
+    """After every micro-batch the gradients user code reads are true (the
+    local running sum, under ``no_sync()``); after the last one they are the
+    all-reduced mean of both ranks' whole sums, as in FP32."""
+    results = case_results(ranks, name)
+    local = []
+    for r in results:
+        ref = _net(norm="layer")
+        sums = []
+        for x, t in r["batch"]:
+            F.mse_loss(ref(x), t).backward()
+            sums.append([p.grad.clone() for p in ref.parameters()])
+        local.append(sums)
+    tol = dict(rtol=2e-2, atol=2e-3)
+    for rank, r in enumerate(results):
+        assert r["skipped"] == 0
+        for k in range(MICRO - 1):
+            for g, want in zip(r["after"][k], local[rank][k]):
+                torch.testing.assert_close(g, want, **tol)
+        mean = [(a + b) / WORLD for a, b in zip(local[0][-1], local[1][-1])]
+        for g, want in zip(r["after"][-1], mean):
+            torch.testing.assert_close(g, want, **tol)
+    _assert_identical(results[0]["masters"], results[1]["masters"], "masters")
 
 
 @pytest.mark.parametrize("name", FSDP_CASES)

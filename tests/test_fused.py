@@ -126,43 +126,45 @@ def test_fp16_with_dynamic_loss_scaling_skips_the_same_step_and_unscales_as_it_r
     assert {h.dtype for h in halfs} == {torch.float16, f32}
 
 
-def test_adamw_trains_and_the_fp32_gradient_buffers_are_freed():
+def test_adamw_trains_on_the_true_gradients_the_backward_left_in_the_masters():
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with amp(model, opt, "O5", fused_update=True) as (model, opt):
         losses = [train_step(model, opt, i % 2).item() for i in range(30)]
         mw = amp_patch.session.current().optimizer_handles[id(opt)].masters
-        assert all(g is None for g in mw.grads)
-        assert all(m.grad is None for m in mw.masters)
-        assert all(p.grad is None for p in mw.halfs)  # consumed by the step
+        assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in mw.masters)
+        assert all(p.grad is None for p in mw.halfs)  # moved into the masters as the backward ended
         assert fused_steps() == 29
     assert losses[-1] < 0.5 * losses[0]
 
 
-def test_accumulation_and_clipping_take_the_plain_step():
-    model = net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with amp(model, opt, "O5", fused_update=True) as (model, opt):
-        def step(accumulate, clip):
-            opt.zero_grad()
-            for i in range(2 if accumulate else 1):
-                x, y = batch(i)
-                F.mse_loss(model(x), y).backward()
-            if clip:
-                total = torch.nn.utils.clip_grad_norm_(amp_patch.master_params(opt), 1e-3)
-                assert total > 1e-3
-            opt.step()
+def test_accumulation_and_clipping_are_applied_by_the_fused_step():
+    def train(fused_update):
+        model = net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with amp(model, opt, "O5", fused_update=fused_update) as (model, opt):
+            def step(accumulate, clip):
+                opt.zero_grad()
+                for i in range(2 if accumulate else 1):
+                    x, y = batch(i)
+                    F.mse_loss(model(x), y).backward()
+                if clip:
+                    total = torch.nn.utils.clip_grad_norm_(amp_patch.master_params(opt), 1e-3)
+                    assert total > 1e-3
+                opt.step()
 
-        step(False, False)
-        step(False, False)
-        assert fused_steps() == 1
-        step(True, False)  # two backwards: the sum is in the FP32 masters already
-        assert fused_steps() == 1
-        step(False, True)  # clipped master gradients must be the ones applied
-        assert fused_steps() == 1
-        assert amp_patch.counters()["steps"] == 4
-        step(False, False)
-        assert fused_steps() == 2
+            step(False, False)  # plain: creates the momentum buffers
+            step(True, False)  # two backwards: their FP32 sum is what the fused step reads
+            step(False, True)  # the clipped master gradients are the ones applied
+            step(True, True)
+            assert amp_patch.counters()["steps"] == 4
+            return [m.detach().clone() for m in amp_patch.master_params(opt)], fused_steps()
+
+    plain, n_plain = train(False)
+    got, n_fused = train(True)
+    assert (n_plain, n_fused) == (0, 3)
+    for a, b in zip(plain, got):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
 
 
 def test_a_changed_momentum_stops_the_fused_update_for_good(caplog):

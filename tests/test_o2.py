@@ -296,17 +296,22 @@ def test_zero_grad_clears_model_and_master_gradients(set_to_none):
     with amp(model, opt, "O2"):
         x, y = batch()
         F.mse_loss(model(x), y).backward()
-        assert all(p.grad is not None and p.grad.dtype == bf16 for p in model.parameters())
-        opt.step()
+        # the backward's end moved the gradients into the FP32 masters, where the optimizer reads them
+        assert all(p.grad is None for p in model.parameters())
         assert all(m.grad is not None and m.grad.dtype == f32 for m in amp_patch.master_params(opt))
-        F.mse_loss(model(x), y).backward()  # half gradients waiting for the next step
+        first = [m.grad.clone() for m in amp_patch.master_params(opt)]
+        opt.step()
+        F.mse_loss(model(x), y).backward()  # gradients waiting for the next step
         opt.zero_grad(set_to_none=set_to_none)
         for t in list(model.parameters()) + list(amp_patch.master_params(opt)):
             assert t.grad is None if set_to_none else (t.grad is None or not t.grad.any())
-        # after a zero_grad the next step sees only the new gradients
+        # after a zero_grad the next backward's gradients stand alone
         F.mse_loss(model(x), y).backward()
-        fresh = [p.grad.float() for p in model.parameters()]
+        fresh = [m.grad.clone() for m in amp_patch.master_params(opt)]
+        opt.zero_grad(set_to_none=set_to_none)
+        F.mse_loss(model(x), y).backward()
         assert all(torch.equal(m.grad, g) for m, g in zip(amp_patch.master_params(opt), fresh))
+        assert not all(torch.equal(a, b) for a, b in zip(first, fresh)), "the step changed the weights"
 
 
 ZERO_KEEPING_OPTIMIZERS = [
@@ -394,15 +399,16 @@ def test_accumulation_happens_in_fp32_masters():
                     opt.zero_grad()
                 x, y = batch(i)
                 F.mse_loss(model(x), y).backward()
-                singles.append([p.grad.float() for p in model.parameters()])
+                singles.append([m.grad.clone() for m in amp_patch.master_params(opt)])
             return singles, [m.grad.clone() for m in amp_patch.master_params(opt)]
 
-    singles, _ = micro_batches(keep_each=False)
     alone, _ = micro_batches(keep_each=True)
-    _, accumulated = micro_batches(keep_each=False)
-    assert all(torch.equal(a, b) for s, t in zip(singles, alone) for a, b in zip(s, t))
+    running, accumulated = micro_batches(keep_each=False)
     total = [alone[0][k] + alone[1][k] + alone[2][k] for k in range(len(alone[0]))]
-    assert all(torch.equal(m, t) for m, t in zip(accumulated, total))
+    assert all(torch.equal(m, t) for m, t in zip(accumulated, total)), "summed in FP32, in order"
+    # after each backward the masters hold the running sum so far
+    assert all(torch.equal(a, b) for a, b in zip(running[0], alone[0]))
+    assert all(torch.equal(r, a + b) for r, a, b in zip(running[1], alone[0], alone[1]))
 
 
 def test_add_param_group_after_initialize_gets_masters():

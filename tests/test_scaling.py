@@ -208,9 +208,10 @@ def test_fp16_does_one_fused_check_and_one_sync_per_step(count_checks, count_syn
             loss = sum(loss_of(m, i) for m in models)
             count_syncs.clear()
             loss.backward()
-            assert count_syncs == [] and count_checks == [], "backward itself neither checks nor syncs"
+            assert count_checks == [6], "the backward's end unscales and checks all six gradients in one fused call"
+            assert count_syncs == [], "the backward does not sync with the host"
             opt.step()
-            assert count_checks == [6], "one fused check over all six gradients"
+            assert count_checks == [6], "the step checks nothing again"
             assert len(count_syncs) == 1, "one host sync for the skip decision"
             count_checks.clear()
 
@@ -662,12 +663,18 @@ def test_each_optimizer_moves_through_the_documented_stages_and_an_illegal_move_
     try:
         h = amp_patch.session.current().optimizer_handles[id(opt)]
         assert h.stage is Stage.READY
-        model(torch.randn(3, 4)).float().sum().backward()
-        assert h.stage is Stage.SCALED and h.loss == 0
-        scaled = model.weight.grad.clone()
+        x = torch.randn(3, 4)
+        model(x).float().sum().backward()
+        assert h.stage is Stage.UNSCALED, "a plain backward ends with true gradients"
+        true = model.weight.grad.clone()
+        opt.zero_grad()
+        with amp_patch.scale_loss(model(x).float().sum(), opt, delay_unscale=True) as scaled_loss:
+            scaled_loss.backward()
+        assert h.stage is Stage.SCALED and h.loss == 0, "delay_unscale leaves them scaled, as in Apex"
+        torch.testing.assert_close(model.weight.grad, true * 128.0, rtol=0, atol=0)
         amp_patch.unscale_(opt)
         assert h.stage is Stage.UNSCALED
-        torch.testing.assert_close(model.weight.grad, scaled / 128.0, rtol=0, atol=0)
+        torch.testing.assert_close(model.weight.grad, true, rtol=0, atol=0)
         opt.step()
         assert h.stage is Stage.UNSCALED  # true gradients until zero_grad or the next backward
         opt.zero_grad()

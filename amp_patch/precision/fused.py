@@ -1,16 +1,15 @@
 """The fused master update of O2/O5: ``initialize(..., fused_update=True)``.
 
-The plain O2 step does three passes over every parameter besides the
-optimizer's own: copy the half gradient into an FP32 buffer, run the user's
-optimizer on the FP32 masters, copy the masters into the half model. Each pass
-reads and writes whole tensors, so on a CPU the step costs what autocast's
-casts cost and O2 gains nothing. The fused update does the same arithmetic in
+The plain O2 step runs the user's optimizer on the FP32 masters (a foreach
+pass per state tensor) and then copies the masters into the half model, one
+more pass over every parameter. The fused update does the same arithmetic in
 one compiled (``torch.compile``) call per param group, a fused loop per
-parameter: it reads the half gradient, the master and the optimizer state
-once, and writes the master, the state and the half weight once. No FP32
-gradient exists, so the masters' gradient buffers are freed as well; the step
-consumes the gradients it read (the model's half ones and those of parameters
-kept in FP32), as the plain step consumes the masters' sum.
+parameter: it reads the FP32 gradient, the master and the optimizer state
+once, and writes the master, the state and the half weight once. The
+gradients it reads are the masters' true ones, which every scaled backward
+leaves there (unscaled and checked as it ends), so the skip decision and
+everything user code did to them before the step (clipping, ``unscale_``)
+are the plain step's.
 
 What it covers, and why the rest falls back to the plain step:
 
@@ -20,18 +19,10 @@ What it covers, and why the rest falls back to the plain step:
   it every step does not recompile. The results match the plain step to
   float32 rounding, not bit for bit (the compiler orders the arithmetic its own
   way); a run is still bitwise reproducible, checkpoints and resume included.
-- A scaled loss (FP16) works too: one compiled inf/NaN check over the half
-  gradients (2 bytes per parameter read) feeds the step's skip decision,
-  which is taken as for the plain step (all-reduced under
-  ``torch.distributed``), and the update multiplies each gradient by the
-  inverse scale as it reads it. A skipped step touches nothing.
-- A step whose gradients were already moved into the masters (gradient
-  accumulation over several backwards, ``clip_grad_norm_`` or
-  ``master_params`` before the step, ``unscale_``) is the plain step, since
-  those gradients are what must be applied. So is the first step, which
-  creates the optimizer state, a step whose parameters sit on more than one
-  device, and every step after the user changes a hyperparameter other than
-  the learning rate (one recompile would cost more than it saves).
+- The first step, which creates the optimizer state, a step whose parameters
+  sit on more than one device, a sparse gradient, and every step after the
+  user changes a hyperparameter other than the learning rate (one recompile
+  would cost more than it saves) are the plain step.
 - No C++ compiler (or a compile error of any kind): a warning, then the plain
   step for the rest of the run.
 
@@ -143,13 +134,7 @@ def _adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp
             halfs[i].copy_(p)
 
 
-def _non_finite(grads: List[Tensor]) -> Tensor:
-    """1.0 if any of ``grads`` holds inf or NaN, else 0.0 (one read of each; compiled, as
-    torch's eager ``_foreach_norm(inf)`` takes 12x longer on a CPU)."""
-    return torch.stack([g.isfinite().logical_not().any() for g in grads]).any().float()
-
-
-_KERNELS = {"sgd": _sgd, "adam": _adam, "check": _non_finite}
+_KERNELS = {"sgd": _sgd, "adam": _adam}
 
 
 class Plan(NamedTuple):
@@ -176,6 +161,7 @@ class FusedUpdate:
         self.off: Optional[str] = None  # why the fused update stopped for good
         self.baked: Optional[List[Tuple[Any, ...]]] = None  # the hyperparameters it compiled with
         self.lr: Optional[Tensor] = None  # 0-d, refilled per group: a new lr is not a recompile
+        self.one: Optional[Tensor] = None  # the inverse scale the kernels take: the gradients are true already
         self.steps = 0  # fused steps taken
 
     def _fn(self, kind: str) -> Any:
@@ -196,13 +182,12 @@ class FusedUpdate:
         for p in group["params"]:
             i = mw.index.get(id(p))
             if i is not None and mw.masters[i] is p:
-                h = mw.halfs[i]
-                g = h.grad
+                g = p.grad
                 if g is None:
                     continue
                 masters.append(p)
                 grads.append(g)
-                halfs.append(h)
+                halfs.append(mw.halfs[i])
             else:
                 g = p.grad
                 if g is None:
@@ -250,20 +235,8 @@ class FusedUpdate:
             return None  # no gradient at all: nothing to fuse
         return Plan(groups, device, hyper)
 
-    def non_finite(self, plan: Plan) -> Optional[Tensor]:
-        """A 0-d FP32 flag, > 0 when a gradient of ``plan`` holds inf or NaN (no host sync).
-
-        None when the check cannot be compiled; the fused update is then off.
-        """
-        try:
-            return self._fn("check")([g for _, grads, _ in plan.groups for g in grads])
-        except Exception as e:
-            self._failed(e)
-            return None
-
-    def run(self, plan: Plan, inv: Tensor) -> bool:
-        """The fused update of every param group, gradients multiplied by ``inv``
-        (1 / loss scale, a 0-d tensor on ``plan.device``).
+    def run(self, plan: Plan) -> bool:
+        """The fused update of every param group, from the true FP32 gradients.
 
         Returns False, with nothing changed, when the compile fails (the fused
         update is then off for the rest of the run).
@@ -271,7 +244,8 @@ class FusedUpdate:
         opt = self.mw.optimizer
         if self.lr is None or self.lr.device != plan.device:
             self.lr = torch.zeros((), dtype=f32, device=plan.device)
-        lr = self.lr
+            self.one = torch.ones((), dtype=f32, device=plan.device)
+        lr, inv = self.lr, self.one
         update = self._fn(self.kind)
         stepped = False  # a group has been updated: the plain step must not repeat it
         try:
@@ -301,22 +275,7 @@ class FusedUpdate:
             return False
         self.baked = plan.hyper
         self.steps += 1
-        self.drop_grads(plan)
-        self.mw.release_grad_buffers()
         return True
-
-    @staticmethod
-    def drop_grads(plan: Plan) -> None:
-        """Clear the gradients a step consumed (or skipped): the next backward starts a new sum.
-
-        The model's half gradients and the FP32 parameters' own (still scaled
-        under FP16, so they must not be added to).
-        """
-        for params, _, halfs in plan.groups:
-            for h in halfs:
-                h.grad = None
-            for p in params[len(halfs):]:
-                p.grad = None
 
     def _failed(self, e: Exception) -> None:
         self._stop(f"torch.compile failed ({type(e).__name__}: {e})", warn=True)

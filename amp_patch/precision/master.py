@@ -5,14 +5,16 @@ optimizer's ``param_groups`` hold FP32 *masters* in their place, and the
 optimizer state moves with them. A master is built on the parameter's original
 FP32 storage, so creating it copies nothing and loses nothing to rounding.
 
-Gradients flow half model -> FP32 masters: ``collect_grads`` copies the model's half
-gradients into one persistent FP32 buffer per master (reused every step, so no
-allocation on the hot path), where the loss scaler unscales and checks them in
-place, and drops the half gradients so the next backward starts fresh (autograd
-then adopts its own result instead of adding into an old buffer). In a single
-process a second backward before the step first moves the half gradients into
-the masters, so accumulation happens in FP32 (under ``torch.distributed`` they
-accumulate in the model, where DDP reduces the whole sum). A step consumes the
+Gradients flow half model -> FP32 masters at the end of every scaled backward:
+``collect_grads`` copies the model's half gradients into one persistent FP32
+buffer per master (reused every step, so no allocation on the hot path), where
+the loss scaler unscales and checks them in place, and drops the half
+gradients so the next backward starts fresh (autograd then adopts its own
+result instead of adding into an old buffer); a later backward's are added to
+the masters' sum, so accumulation happens in FP32. Under ``torch.distributed``
+the half gradients stay in the model, scaled, as the running sum DDP's
+all-reduce reads, and the masters get an unscaled copy of it after every
+backward (``keep_half``). A step consumes the
 sum, so the next backward starts a new one
 (``model.zero_grad()``, which cannot reach the masters, is enough between
 steps). After the optimizer steps the masters, ``refresh`` copies
@@ -67,6 +69,8 @@ class MasterWeights:
         self.zeroed = False
         #: each master's version counter at the last sync, once state_dict handed out views
         self.versions: Optional[List[int]] = None
+        #: the half gradients stay in the model as DDP's running sum (``collect_grads(keep_half=True)``)
+        self.kept_half = False
 
     def __len__(self) -> int:
         return len(self.halfs)
@@ -133,16 +137,22 @@ class MasterWeights:
 
     # ------------------------------------------------------------ per step
 
-    def collect_grads(self, unscale: Optional[Callable[[List[Tensor]], None]]) -> None:
+    def collect_grads(self, unscale: Optional[Callable[[List[Tensor]], None]], keep_half: bool = False) -> None:
         """Move the half gradients into the masters' FP32 gradients.
 
         ``unscale(tensors)`` unscales and checks FP32 tensors in place (the
         loss scaler's fused op); ``None`` when the loss is not scaled.
+        ``keep_half`` (under DDP): the half gradients stay in the model as the
+        running sum DDP's all-reduce reads, and the masters get an unscaled
+        copy of the whole sum; the step drops them (``consumed``).
         """
         halfs, masters = self.halfs, self.masters
         idx = [i for i, h in enumerate(halfs) if h.grad is not None]
         if not idx:
             return
+        if keep_half:
+            self.holds_partial_sum = False  # the masters copy the model's whole sum each time
+            self.kept_half = True
         sparse = {i for i in idx if halfs[i].grad.is_sparse}
         if sparse:
             idx = [i for i in idx if i not in sparse]
@@ -169,11 +179,22 @@ class MasterWeights:
                 if masters[i].grad is None:
                     masters[i].grad = self._buffer(i).zero_()
             torch._foreach_add_([masters[i].grad for i in idx], incoming)
-        for i in idx:
-            halfs[i].grad = None
         if sparse:
             self._collect_sparse(sorted(sparse), unscale)
+        if keep_half:
+            return
+        for i in idx:
+            halfs[i].grad = None
+        for i in sparse:
+            halfs[i].grad = None
         self.holds_partial_sum = True
+
+    def absorb_true_grads(self) -> None:
+        """Half gradients a backward amp_patch did not scale left in the model
+        (``torch.autograd.backward``, ``backward(gradient=...)``) join the
+        masters' sum as they are."""
+        if any(h.grad is not None for h in self.halfs):
+            self.collect_grads(None)
 
     def _collect_sparse(self, idx: List[int], unscale: Optional[Callable[[List[Tensor]], None]]) -> None:
         """Sparse half gradients (``nn.Embedding(sparse=True)``) become sparse FP32
@@ -185,22 +206,12 @@ class MasterWeights:
                 unscale([g])
             m = self.masters[i]
             m.grad = g if not self.holds_partial_sum or m.grad is None else (m.grad + g).coalesce()
-            self.halfs[i].grad = None
 
     def _buffer(self, i: int) -> Tensor:
         buf = self.grads[i]
         if buf is None:
             buf = self.grads[i] = torch.empty_like(self.masters[i], memory_format=torch.preserve_format)
         return buf
-
-    def release_grad_buffers(self) -> None:
-        """Free the FP32 gradient buffers (the fused update reads the half gradients instead)."""
-        if self.grads.count(None) == len(self.grads):
-            return  # the common case after the first fused step: nothing to free
-        for i, m in enumerate(self.masters):
-            if m.grad is not None and m.grad is self.grads[i]:
-                m.grad = None
-            self.grads[i] = None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -216,6 +227,10 @@ class MasterWeights:
         cannot reach the masters) ran, and an earlier zero_grad no longer counts."""
         self.holds_partial_sum = False
         self.zeroed = False
+        if self.kept_half:
+            for h in self.halfs:
+                h.grad = None
+            self.kept_half = False
 
     def zero_model_grads(self, set_to_none: bool) -> None:
         """Clear the half parameters' gradients (the optimizer clears the masters').

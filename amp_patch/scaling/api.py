@@ -66,23 +66,25 @@ def scale_loss(
 ) -> Iterator[Tensor]:
     """Scale a loss for backward; apex.amp's ``scale_loss``.
 
-    Yields ``loss.float() * scale``. After the block the gradients of
-    ``optimizers``' parameters are unscaled (into the FP32 masters under O2)
-    and checked for inf/NaN before they are used, and the next
-    ``optimizer.step()`` of each runs or is skipped. The work is deferred to
-    the first moment true gradients are needed (the step, ``unscale_``,
-    ``master_params``, torch's clip functions), so accumulating several
-    backward passes costs one unscale and one check per step; an overflow in
-    any of them skips the step. ``delay_unscale`` and ``delay_overflow_check``
-    are accepted for apex.amp compatibility; deferral makes them unnecessary.
+    Yields ``loss.float() * scale``. When the block exits, the gradients of
+    ``optimizers``' parameters are unscaled in place (into the FP32 masters
+    under O2) and checked for inf/NaN on the device, as Apex's exit did: code
+    that reads ``.grad`` before the step sees true gradients. The next
+    ``optimizer.step()`` of each runs or is skipped; an overflow in any
+    backward since the last step skips it. Gradients already there from
+    earlier backwards are true and stay so (the block's own are added to them
+    once unscaled).
 
     Args:
         loss: the loss tensor.
         optimizers: the optimizer, or a list of them, this loss feeds.
         loss_id: which loss scaler to use, ``0 <= loss_id < num_losses``.
         model: ignored (apex.amp compatibility).
-        delay_unscale: ignored (apex.amp compatibility).
-        delay_overflow_check: ignored (apex.amp compatibility).
+        delay_unscale: Apex's meaning: this exit leaves the gradients scaled,
+            for a later ``scale_loss`` exit of the same loss (without it) to
+            unscale the accumulated sum once; a step unscales them too.
+        delay_overflow_check: ignored (apex.amp compatibility): the check
+            never syncs with the host before the step.
 
     Raises:
         StateError: before ``initialize``, or for an optimizer it did not attach.
@@ -120,7 +122,7 @@ def scale_loss(
         finally:
             for hook in hooks:
                 hook.remove()
-            after_backward(run, handles, loss_id)
+            after_backward(run, handles, loss_id, delay_unscale=bool(delay_unscale))
     finally:
         amp.flight.leave()
 
@@ -128,9 +130,10 @@ def scale_loss(
 def unscale_(optimizer: torch.optim.Optimizer) -> None:
     """Unscale ``optimizer``'s gradients now, e.g. to clip true gradients.
 
-    Idempotent within a step: a second call, or the step itself, does not
-    unscale again. Under O2 the gradients land in the FP32 masters, which
-    ``master_params`` yields.
+    Every scaled backward unscales its gradients as it ends, so this only has
+    work to do after ``scale_loss(..., delay_unscale=True)``; it is kept for
+    ``GradScaler``-style code. Idempotent. Under O2 the gradients are in the
+    FP32 masters, which ``master_params`` yields.
 
     Args:
         optimizer: an optimizer passed to ``initialize`` (or ``adopt_optimizer``).

@@ -70,49 +70,23 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
 
 
 def _fused_step(run: Run, h: Handle) -> bool:
-    """Take this step with the fused update if its gradients are all still in the half model.
+    """Take this step with the fused update, from the true FP32 gradients every
+    backward left in the masters.
 
-    Returns False, with nothing done, when the plain step must run instead.
-    Under a scaled loss the half gradients are checked where they are; the
-    skip decision is taken as for the plain step, and the update unscales as it reads.
+    Returns False, with nothing done, when the plain step must run instead
+    (it also takes a step the skip decision skips).
     """
-    l = h.pending
-    mw = h.masters
-    if l is None or h.fed_by or h.parked is not None or mw.holds_partial_sum:
+    if h.parked is not None:
+        return False
+    decide_skips(run)
+    if h.skip:
         return False
     plan = h.fused.plan()
-    if plan is None:
+    if plan is None or not h.fused.run(plan):
         return False
-    scaler = run.scalers[l]
-    # the scale this backward ran with (the skip decision may change it); 1.0 when not scaled
-    inv = run.inv_scale(l, plan.device, scaler.scale if scaler.active else 1.0)
-    if scaler.active:
-        flag = h.fused.non_finite(plan)
-        if flag is None:  # the check did not compile: the plain step checks instead
-            return False
-        run.found_flag(l, plan.device).add_(flag)
-        run.checked.add(l)
-        h.fed_by.add(l)
-        h.move(Stage.READY)  # the fused update reads the half gradients itself
-        run.undecided = True
-        decide_skips(run)
-        if h.skip:  # as the plain step: the skip decision stands until the next backward
-            h.fused.drop_grads(plan)
-            h.skipped += 1
-            mw.consumed()
-            return True
-        h.skip = None
-    h.move(Stage.READY)
-    if not h.fused.run(plan, inv):  # the compile failed: the plain step, from the half gradients
-        mw.collect_grads(None)
-        grads = [m.grad for m in mw.masters if m.grad is not None]
-        grads += [p.grad for p in h.own_params() if p.grad is not None]
-        if scaler.active and grads:
-            torch._foreach_mul_(grads, inv)
-        h.originals["step"]()
-        mw.refresh()
+    h.skip = None
     h.steps += 1
-    mw.consumed()
+    h.masters.consumed()
     return True
 
 

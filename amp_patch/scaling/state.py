@@ -1,13 +1,26 @@
 """The per-optimizer state machine of loss scaling, and one run's scalers.
 
 Each optimizer amp_patch attached has a ``Handle`` whose ``stage`` says where
-its gradients are (``Stage``): after a backward of loss ``l`` they are
-``SCALED`` (by loss ``l``'s scale, and under O2 still in the half model);
-``transfer`` makes them ``UNSCALED`` (into the FP32 masters under O2),
-checking them for inf/NaN on the device; the step asks for a skip decision, one host
-sync per step for every loss together, and leaves the handle ``READY``.
-Unscaling waits for the first moment true gradients are needed, so gradient
-accumulation unscales once.
+its gradients are (``Stage``). The rule every path keeps: **no scaled gradient
+outlives the backward that made it.** At the end of every scaled backward (a
+patched ``loss.backward()``, the exit of ``scale_loss``) ``transfer`` unscales
+the gradients in place (into the FP32 masters under O2) and folds their
+inf/NaN check into a flag kept on the device, so code that reads ``.grad``
+before the step sees true gradients, as it did under Apex, with no host sync
+per backward. The step asks for the skip decision: one host sync per step for
+every loss together.
+
+Gradients a later scaled backward would add to are true already, so they are
+set aside (``parked``) while it runs and added back once its own are
+unscaled: whatever mixes in ``.grad`` (another loss, a backward amp_patch did
+not scale) is never divided by a scale it was not multiplied by. Under
+``torch.distributed`` the running sum must stay where DDP's all-reduce reads
+it, in the model's ``.grad``: an O1 sum is multiplied by the scale again
+before the next scaled backward instead of parked (exact: the scale is a
+power of two), and an O2 sum stays scaled in the half model, the FP32 masters
+holding its unscaled copy after every backward. ``scale_loss(...,
+delay_unscale=True)`` keeps Apex's meaning: that exit leaves the gradients
+``SCALED`` for a later exit of the same loss to unscale once.
 """
 from __future__ import annotations
 
@@ -236,79 +249,129 @@ def is_rank0() -> bool:
 
 
 def transfer(run: Run, h: Handle) -> None:
-    """Make ``h``'s pending gradients true gradients where its optimizer reads them.
+    """Make ``h``'s gradients true gradients where its optimizer reads them.
 
-    Device work only: unscale in place (into the masters under O2) and fold
-    the inf/NaN check into this step's flag for the loss. Idempotent.
+    Every handle pending on the same loss is transferred with it, so a
+    parameter two optimizers share is unscaled once; under O2 half gradients
+    an untouched backward left join the masters. Device work only. Idempotent.
     """
-    l = h.pending
-    if l is None:
-        return
-    h.fed_by.add(l)
-    unscale = run.unscaler(l)
-    if h.masters is not None and len(h.masters):
-        h.masters.collect_grads(unscale)
-    if unscale is not None:
-        grads = [p.grad for p in h.own_params() if p.grad is not None]
-        if grads:
+    if h.pending is not None:
+        transfer_group(run, [x for x in run.handles if x.pending == h.pending and x is not h] + [h])
+    _absorb(h)
+
+
+def _absorb(h: Handle) -> None:
+    if h.masters is not None and len(h.masters) and not distributed():
+        h.masters.absorb_true_grads()
+
+
+def transfer_group(run: Run, handles: Sequence[Handle]) -> None:
+    """Unscale the pending gradients of ``handles`` (each tensor once), into the
+    masters under O2, and fold their inf/NaN check into this step's flag."""
+    by_loss: Dict[int, List[Handle]] = {}
+    for h in handles:
+        if h.pending is not None and h not in by_loss.get(h.pending, ()):
+            by_loss.setdefault(h.pending, []).append(h)
+    keep = distributed()
+    for l, group in by_loss.items():
+        unscale = run.unscaler(l)
+        seen: set = set()
+        grads: List[Tensor] = []
+        for h in group:
+            h.fed_by.add(l)
+            if h.masters is not None and len(h.masters):
+                h.masters.collect_grads(unscale, keep_half=keep)
+            for p in h.own_params():
+                g = p.grad
+                if g is not None and id(g) not in seen:
+                    seen.add(id(g))
+                    grads.append(g)
+        if unscale is not None and grads:
             unscale(grads)
-    if h.parked:
-        with torch.no_grad():
-            back = [(p, g) for p, g in h.parked if p.grad is not None]
-            if back:
-                torch._foreach_add_([p.grad for p, _ in back], [g for _, g in back])
-            for p, g in h.parked:
-                if p.grad is None:
-                    p.grad = g
-        h.parked = None
-    h.move(Stage.UNSCALED)
+        for h in group:
+            if h.parked:
+                _unpark(h)
+            h.move(Stage.UNSCALED)
+
+
+def _unpark(h: Handle) -> None:
+    with torch.no_grad():
+        back = [(p, g) for p, g in h.parked if p.grad is not None]
+        if back:
+            torch._foreach_add_([p.grad for p, _ in back], [g for _, g in back])
+        for p, g in h.parked:
+            if p.grad is None:
+                p.grad = g
+    h.parked = None
 
 
 def transfer_all(run: Run) -> None:
+    transfer_group(run, run.handles)
     for h in run.handles:
-        if h.pending is not None:
-            transfer(run, h)
+        _absorb(h)
 
 
 def _park_true_grads(h: Handle) -> None:
-    """Park the true gradients of ``h``'s own parameters while a scaled backward adds new ones."""
+    """Set aside the true gradients of ``h``'s own parameters while a scaled backward adds new ones."""
     parked = []
     for p in h.own_params():
         if p.grad is not None:
             parked.append((p, p.grad))
             p.grad = None
-    h.parked = parked or None
-    h.move(Stage.READY)
+    if parked:
+        h.parked = (h.parked or []) + parked
+
+
+def _rescale_true_grads(h: Handle, scale: float) -> None:
+    """Under DDP: multiply the running sum in ``.grad`` by the scale, so the next
+    scaled backward adds to it and the all-reduce sees the whole sum."""
+    grads = [p.grad for p in h.own_params() if p.grad is not None and not p.grad.is_sparse]
+    if grads:
+        with torch.no_grad():
+            torch._foreach_mul_(grads, scale)
 
 
 def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
     """Get gradients ready for a backward of ``loss_id`` into ``handles``.
 
-    Gradients of the same loss keep accumulating where autograd puts them
-    (scaled; unscaled once at the step), except that a single process moves
-    O2's half gradients into the FP32 masters first, so accumulation happens in
-    FP32. Under ``torch.distributed`` they stay in the model, where DDP's
-    ``no_sync()`` accumulation expects the whole sum at the last backward.
-    Gradients of another scale are unscaled before they could mix.
+    Gradients a ``delay_unscale`` exit left scaled by this same loss keep
+    accumulating where autograd puts them (a single process moves O2's half
+    gradients into the FP32 masters first, so accumulation happens in FP32);
+    those of another loss are unscaled before they could mix. Every other
+    gradient is true already: a single process parks it, DDP multiplies it by
+    the scale again (see the module docstring). Under O2 a half gradient an
+    untouched backward left in the model joins the masters as it is.
     """
-    scaled = run.scalers[loss_id].active
-    fp32_sum = not distributed()
+    scaler = run.scalers[loss_id]
+    scaled = scaler.active
+    dist = distributed()
     for h in handles:
+        has_masters = h.masters is not None and len(h.masters)
         if h.pending is not None:
-            to_masters = fp32_sum and h.masters is not None and len(h.masters)
-            if h.pending == loss_id and not to_masters:
+            if h.pending == loss_id and (dist or not has_masters):
                 continue
             transfer(run, h)
-        if h.stage is Stage.UNSCALED and scaled:
+        else:
+            _absorb(h)
+        if h.stage is Stage.SCALED or not scaled:
+            continue
+        if dist:
+            _rescale_true_grads(h, scaler.scale)
+            h.move(Stage.SCALED, loss_id)
+        else:
             _park_true_grads(h)
 
 
-def after_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
+def after_backward(run: Run, handles: Sequence[Handle], loss_id: int, delay_unscale: bool = False) -> None:
+    """After a backward of ``loss_id`` into ``handles``: unscale and check its
+    gradients now, unless ``delay_unscale`` leaves that to a later exit."""
     if not run.scalers[loss_id].active and not any(h.masters is not None and len(h.masters) for h in handles):
         return
     for h in handles:
         h.move(Stage.SCALED, loss_id)
     run.undecided = True
+    if not delay_unscale:
+        transfer_group(run, handles)
 
 
 def decide_skips(run: Run) -> None:

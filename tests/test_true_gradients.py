@@ -1,0 +1,290 @@
+"""No scaled gradient outlives the backward that made it.
+
+Under FP16 every scaled backward (a plain ``loss.backward()``, the exit of
+``scale_loss``) ends with true gradients in ``.grad`` (the FP32 masters' under
+O2), so whatever user code does with them before the step (read, clip by
+value, clip by a norm it computes itself, add a gradient of its own) computes
+what it computes in FP32. Each test is written the way the code that hits it
+is written, and compares with the same loop run in FP32 without amp_patch.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_patch
+from amp_patch import amp as apex_amp
+from helpers import amp, batch, mlp, sgd
+
+f16 = torch.float16
+FP16 = dict(half_dtype=f16)
+# FP16 rounding of the forward and backward; the loss scale itself is exact
+TOL = dict(rtol=2e-2, atol=2e-3)
+
+
+def net(seed=0):
+    return mlp(6, 16, 3, seed=seed)
+
+
+def data(i=0):
+    return batch(i, 6, 3)
+
+
+def fp32_grads(model, *batches):
+    """The FP32 gradients of ``model`` summed over ``batches`` (a copy; ``model`` untouched)."""
+    ref = copy.deepcopy(model)
+    for x, y in batches:
+        F.mse_loss(ref(x), y).backward()
+    return [p.grad for p in ref.parameters()]
+
+
+# ---------------------------------------------------------------- reading .grad
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("how", ["plain", "scale_loss", "apex"])
+def test_gradients_after_a_scaled_backward_are_true(level, how):
+    model = net()
+    ref = fp32_grads(model, data())
+    opt = sgd(model)
+    with amp(model, opt, level, loss_scale=1024.0, **FP16) as (model, opt):
+        x, y = data()
+        loss = F.mse_loss(model(x), y)
+        if how == "plain":
+            loss.backward()
+        else:
+            with (amp_patch if how == "scale_loss" else apex_amp).scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        got = [p.grad for p in (model.parameters() if level == "O1" else amp_patch.master_params(opt))]
+        assert all(g.dtype == torch.float32 for g in got)
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, **TOL)
+
+
+def test_apex_test_cache_pattern_a_poked_loss_scale_leaves_true_gradients():
+    """Apex's tests/L0/run_amp/test_cache.py: the scale set through
+    ``_amp_state.loss_scalers[0]._loss_scale``, gradients compared after the block."""
+    model = net()
+    ref = fp32_grads(model, data())
+    opt = sgd(model)
+    model, opt = apex_amp.initialize(model, opt, opt_level="O1", half_dtype=f16, verbosity=0)
+    try:
+        apex_amp._amp_state.loss_scalers[0]._loss_scale = 4.0
+        x, y = data()
+        with apex_amp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        for p, r in zip(model.parameters(), ref):
+            torch.testing.assert_close(p.grad, r, **TOL)
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_an_inf_written_inside_the_block_is_caught_at_its_exit():
+    """Apex's multiple-models test writes an inf into a gradient between the
+    backward and the block's exit: the exit's check sees it and the step is skipped."""
+    model = net()
+    opt = sgd(model)
+    with amp(model, opt, "O1", loss_scale="dynamic", **FP16) as (model, opt):
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = data()
+        with amp_patch.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+            model[0].weight.grad[0, 0] = float("inf")
+        opt.step()
+        assert amp_patch.counters()["skipped"] == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ---------------------------------------------------------------- user code between backward and step
+
+
+def _clamp_run(amp_level):
+    torch.manual_seed(0)
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctx = amp(model, opt, amp_level, loss_scale=128.0, **FP16) if amp_level else None
+    if ctx is not None:
+        model, opt = ctx.__enter__()
+    try:
+        start = model[0].weight.detach().clone()
+        for i in range(3):
+            x, y = data(i)
+            opt.zero_grad()
+            (F.mse_loss(model(x), y) * 100).backward()
+            for param in model.parameters():  # the DQN tutorial's clipping
+                param.grad.data.clamp_(-1, 1)
+            opt.step()
+        return (model[0].weight.detach().float() - start).abs().max().item(), model[0].weight.detach().float().clone()
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
+def test_clipping_gradients_by_value_after_backward_clips_true_gradients():
+    moved32, w32 = _clamp_run(None)
+    moved16, w16 = _clamp_run("O1")
+    assert moved32 > 0.01
+    assert abs(moved16 - moved32) < 1e-3 * max(1.0, moved32) + 1e-4
+    torch.testing.assert_close(w16, w32, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_get_total_norm_then_clip_grads_with_norm(level):
+    """torch documents ``clip_grad_norm_`` as these two calls; neither may see scaled gradients."""
+    model = net()
+    ref = fp32_grads(model, data())
+    ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref]))
+    opt = sgd(model)
+    with amp(model, opt, level, loss_scale=65536.0, **FP16) as (model, opt):
+        x, y = data()
+        F.mse_loss(model(x), y).backward()
+        params = list(model.parameters()) if level == "O1" else list(amp_patch.master_params(opt))
+        grads = [p.grad for p in params]
+        total = torch.nn.utils.get_total_norm(grads)
+        torch.testing.assert_close(total, ref_norm, **TOL)
+        torch.nn.utils.clip_grads_with_norm_(params, 1e-3, total)
+        clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        torch.testing.assert_close(clipped, torch.tensor(1e-3), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("order", ["scaled-first", "untouched-first"])
+@pytest.mark.parametrize("untouched", ["gradient", "autograd"])
+def test_a_scaled_and_an_untouched_backward_add_up_in_either_order(level, order, untouched):
+    model = net()
+    (x0, y0), (x1, y1) = data(0), data(1)
+    ref = fp32_grads(model, (x0, y0), (x1, y1))
+    opt = sgd(model)
+    with amp(model, opt, level, loss_scale=4096.0, **FP16) as (model, opt):
+        def scaled():
+            F.mse_loss(model(x0), y0).backward()
+
+        def other():
+            loss = F.mse_loss(model(x1), y1)
+            if untouched == "gradient":
+                loss.backward(gradient=torch.ones_like(loss))  # explicit gradient: amp_patch leaves it alone
+            else:
+                torch.autograd.backward([loss])
+
+        for f in ((scaled, other) if order == "scaled-first" else (other, scaled)):
+            f()
+        got = [p.grad for p in (model.parameters() if level == "O1" else amp_patch.master_params(opt))]
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g.float(), r, **TOL)
+
+
+def test_a_parameter_two_optimizers_share_is_unscaled_once():
+    model = net()
+    ref = fp32_grads(model, data())
+    shared = model[0].weight
+    opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    opt_b = torch.optim.SGD([shared] + list(model[2].parameters()), lr=0.1)
+    with amp(model, [opt_a, opt_b], "O1", loss_scale=65536.0, **FP16) as (model, _):
+        x, y = data()
+        F.mse_loss(model(x), y).backward()
+        torch.testing.assert_close(shared.grad, ref[0], **TOL)
+        torch.testing.assert_close(model[2].weight.grad, ref[2], **TOL)
+
+
+# ---------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_accumulating_four_micro_batches_with_one_overflow(level):
+    model = net()
+    ref_model = copy.deepcopy(model)
+    ref_opt = sgd(ref_model, lr=0.05)
+    opt = sgd(model, lr=0.05)
+    with amp(model, opt, level, loss_scale="dynamic", **FP16) as (model, opt):
+        for step in range(3):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for k in range(4):
+                x, y = data(4 * step + k)
+                if step == 1 and k == 2:
+                    x = x.clone()
+                    x[0, 0] = float("inf")
+                F.mse_loss(model(x), y).backward()
+                if step != 1:
+                    F.mse_loss(ref_model(x), y).backward()
+                    got = [p.grad for p in (model.parameters() if level == "O1" else amp_patch.master_params(opt))]
+                    for g, r in zip(got, (p.grad for p in ref_model.parameters())):
+                        torch.testing.assert_close(g, r, **TOL)  # the running sum is true after each one
+            scale = amp_patch.counters()["loss_scale"][0]
+            opt.step()
+            if step != 1:
+                ref_opt.step()
+            c = amp_patch.counters()
+            assert c["skipped"] == (1 if step >= 1 else 0)
+            assert (c["loss_scale"][0] < scale) == (step == 1)
+            for p, r in zip(model.parameters(), ref_model.parameters()):
+                assert torch.isfinite(p).all()
+                torch.testing.assert_close(p.float(), r, rtol=1e-2, atol=1e-3)
+
+
+def test_delay_unscale_accumulates_scaled_and_the_last_exit_unscales_once():
+    model = net()
+    ref = fp32_grads(model, data(0), data(1))
+    opt = sgd(model)
+    with amp(model, opt, "O1", loss_scale=256.0, **FP16) as (model, opt):
+        x, y = data(0)
+        with amp_patch.scale_loss(F.mse_loss(model(x), y), opt, delay_unscale=True) as s:
+            s.backward()
+        assert model[0].weight.grad.abs().max() > 10 * ref[0].abs().max()  # still scaled, as in Apex
+        x, y = data(1)
+        with amp_patch.scale_loss(F.mse_loss(model(x), y), opt) as s:
+            s.backward()
+        for p, r in zip(model.parameters(), ref):
+            torch.testing.assert_close(p.grad, r, **TOL)
+
+
+# ---------------------------------------------------------------- what read them before keeps working
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_unscale_master_params_and_clip_do_not_unscale_twice(level):
+    model = net()
+    ref = fp32_grads(model, data())
+    opt = sgd(model)
+    with amp(model, opt, level, loss_scale=1024.0, **FP16) as (model, opt):
+        x, y = data()
+        F.mse_loss(model(x), y).backward()
+        amp_patch.unscale_(opt)
+        amp_patch.unscale_(opt)
+        params = list(amp_patch.master_params(opt))
+        total = torch.nn.utils.clip_grad_norm_(params, 1e9)
+        ref_total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref]))
+        torch.testing.assert_close(total, ref_total, **TOL)
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p.grad, r, **TOL)
+
+
+def test_larc_reads_true_gradients():
+    from amp_patch.apex.parallel.LARC import LARC
+
+    def run(use_amp):
+        model = net()
+        opt = LARC(torch.optim.SGD(model.parameters(), lr=0.1), trust_coefficient=0.02)
+        if use_amp:
+            model, opt = apex_amp.initialize(model, opt, opt_level="O1", half_dtype=f16, loss_scale=512.0, verbosity=0)
+        try:
+            x, y = data()
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            if use_amp:
+                with apex_amp.scale_loss(loss, opt) as s:
+                    s.backward()
+            else:
+                loss.backward()
+            opt.step()
+            return [p.detach().float().clone() for p in model.parameters()]
+        finally:
+            if use_amp:
+                amp_patch.deinitialize()
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
