@@ -9,12 +9,16 @@
 | O4    | None (BF16 O1)  | True                  | None                | False          | 1.0        |
 | O5    | BF16 (BF16 O2)  | False                 | True                | True           | 1.0        |
 
-"half" is FP16 on CUDA and BF16 on CPU unless ``half_dtype`` (or Apex's
-``cast_model_type=torch.float16``) says otherwise. Dynamic loss scaling
+"half" is ``$AMP_PATCH_HALF_DTYPE`` when it is set, else FP16 on CUDA and
+BF16 on CPU, unless ``half_dtype`` (or Apex's ``cast_model_type=torch.float16``)
+says otherwise: every entry point (``initialize``, ``apex.amp.initialize``,
+``amp.init``, the launcher) reads the variable the same way. Dynamic loss scaling
 becomes 1.0 under BF16, whose range is FP32's; O4/O5 asked for FP16 scale
 dynamically, as O1/O2 do.
 """
 from __future__ import annotations
+
+import os
 
 import dataclasses
 from typing import Any, Optional, Union
@@ -103,8 +107,16 @@ class Properties:
 
 
 
+#: the environment variable every entry point takes its half dtype from when none is given
+ENV_HALF_DTYPE = "AMP_PATCH_HALF_DTYPE"
+
+
 def default_half_dtype(device_type: str) -> torch.dtype:
-    """FP16 on CUDA (Tensor Cores, the fastest choice on every GPU), BF16 on CPU."""
+    """``$AMP_PATCH_HALF_DTYPE`` when set; else FP16 on CUDA (Tensor Cores, the
+    fastest choice on every GPU), BF16 on CPU."""
+    raw = os.environ.get(ENV_HALF_DTYPE, "").strip()
+    if raw:
+        return parse_dtype(raw, ENV_HALF_DTYPE)
     return torch.float16 if device_type == "cuda" else torch.bfloat16
 
 

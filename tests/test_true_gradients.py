@@ -288,3 +288,60 @@ def test_larc_reads_true_gradients():
 
     for a, b in zip(run(True), run(False)):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the half dtype from the environment
+
+
+@pytest.mark.parametrize("entry", ["initialize", "apex.initialize", "amp.init"])
+def test_every_entry_point_takes_the_half_dtype_from_the_environment(entry, monkeypatch):
+    monkeypatch.setenv("AMP_PATCH_HALF_DTYPE", "float16")
+    model = net()
+    opt = sgd(model)
+    if entry == "initialize":
+        amp_patch.initialize(model, opt, "O1", verbosity=0)
+    elif entry == "apex.initialize":
+        apex_amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    else:
+        apex_amp.init(enabled=True)
+    try:
+        x, _ = data()
+        assert torch.mm(x, x.t()).dtype == f16
+        assert amp_patch.counters()["loss_scale"][0] == 65536.0 or entry == "amp.init"
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_an_explicit_half_dtype_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("AMP_PATCH_HALF_DTYPE", "float16")
+    with amp(None, None, "O1", half_dtype="bfloat16"):
+        x, _ = data()
+        assert torch.mm(x, x.t()).dtype == torch.bfloat16
+
+
+def test_a_bad_half_dtype_in_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("AMP_PATCH_HALF_DTYPE", "float8")
+    with pytest.raises(amp_patch.ConfigError, match="AMP_PATCH_HALF_DTYPE"):
+        amp_patch.initialize(None, None, "O1")
+    assert not amp_patch.is_initialized()
+
+
+# ---------------------------------------------------------------- a load followed by a save
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O5"])
+def test_a_load_followed_by_a_save_returns_what_was_loaded(level):
+    """Apex's test_checkpointing.py::test_restoring: ``restored.load_state_dict(sd)``
+    then ``restored.state_dict()`` gives ``sd`` back, bit for bit, at every level."""
+    source = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    sd = {k: v.clone() + 1e-4 * torch.randn_like(v) if v.is_floating_point() else v.clone()
+          for k, v in source.state_dict().items()}
+    restored = copy.deepcopy(source)
+    opt = sgd(restored)
+    with amp(restored, opt, level, **FP16) as (restored, opt):
+        restored.load_state_dict(sd)
+        back = restored.state_dict()
+        assert back.keys() == sd.keys()
+        for k in sd:
+            assert back[k].dtype == sd[k].dtype, k
+            assert torch.equal(back[k], sd[k]), k

@@ -46,14 +46,13 @@ from .. import diagnostics, frontend, oplists, session
 from ..errors import ConfigError
 from ..patching.registry import Patcher
 from ..precision import model as model_side
-from ..properties import OPT_LEVELS, parse_dtype, resolve
+from ..properties import ENV_HALF_DTYPE, OPT_LEVELS, parse_dtype, resolve
 from ..session import Provisional, UndoStack
 from . import alias
 
 log = logging.getLogger("amp_patch")
 
 ENV_OPT_LEVEL = "AMP_PATCH_OPT_LEVEL"
-ENV_HALF_DTYPE = "AMP_PATCH_HALF_DTYPE"
 ENV_LOSS_SCALE = "AMP_PATCH_LOSS_SCALE"
 ENV_OUTPUTS = "AMP_PATCH_OUTPUTS"
 OUTPUT_CHOICES = ("float32", "half")

@@ -190,6 +190,11 @@ class LoadIntoMasters:
             m = master.lookup(amp, p) if p is not None else None
             if m is not None and prefix + name in state_dict:
                 pairs.append((m, state_dict[prefix + name]))
+            elif p is not None and prefix + name in state_dict:
+                _keep_loaded(amp, id(p), state_dict[prefix + name])
+        for name, b in module._buffers.items():
+            if b is not None and prefix + name in state_dict:
+                _keep_loaded(amp, (id(module), name), state_dict[prefix + name])
         if not pairs:
             return
         if local_metadata.get("assign_to_params_buffers", False):
@@ -202,6 +207,20 @@ class LoadIntoMasters:
             for m, value in pairs:
                 if isinstance(value, Tensor) and value.shape == m.shape:
                     m.copy_(value)
+
+
+def _keep_loaded(amp: Any, key: Any, value: Any) -> None:
+    """A checkpoint value loaded into a converted tensor with no master (O3, a
+    frozen parameter, a buffer) becomes its exact value, so a ``state_dict()``
+    right after the load gives back what was loaded, not its half rounding."""
+    for rec in amp.model_records:
+        e = rec.exact.get(key)
+        if e is None:
+            continue
+        if isinstance(value, Tensor) and value.shape == e.original.shape and value.is_floating_point():
+            e.original = value.detach().to(device=e.original.device, dtype=e.original.dtype, copy=True)
+            e.version = e.original._version
+        return
 
 
 #: amp_patch's module hooks: a copy of a converted model drops them (copies.py)
