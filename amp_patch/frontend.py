@@ -297,6 +297,10 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
             session.set_current(amp)
         elif apex_rules:
             scaling_state.restart(amp, options)
+            if props.patch_torch_functions and not len(amp.patcher):
+                # _amp_state.handle._deactivate() took the patches off; Apex's
+                # next amp.initialize patched again, and so does this one
+                amp.patch(_patch_items(amp) + _dataloader_items())
         originals = model_side.attach(amp, new_models, options)
         built = optimizers_side.attach(amp, new_models, new_opts, originals, options)
         inflight.watch(amp, new_models)

@@ -345,3 +345,50 @@ def test_a_load_followed_by_a_save_returns_what_was_loaded(level):
         for k in sd:
             assert back[k].dtype == sd[k].dtype, k
             assert torch.equal(back[k], sd[k]), k
+
+
+# ---------------------------------------------------------------- what Apex's multiple-models test checks
+
+
+def test_an_overflow_skips_only_the_optimizers_its_backward_fed():
+    """Two optimizers sharing one loss scaler (Apex's ``num_losses=1`` with two
+    ``scale_loss`` calls): an inf in the first backward skips the first
+    optimizer's step only, as Apex decided per ``scale_loss`` exit."""
+    m0, m1 = net(0), net(1)
+    o0, o1 = sgd(m0), sgd(m1)
+    (m0, m1), (o0, o1) = apex_amp.initialize([m0, m1], [o0, o1], opt_level="O1", half_dtype=f16, verbosity=0)
+    try:
+        before0 = [p.detach().clone() for p in m0.parameters()]
+        before1 = [p.detach().clone() for p in m1.parameters()]
+        x, y = data()
+        with apex_amp.scale_loss(F.mse_loss(m0(x), y), o0) as s:
+            s.backward()
+            m0[0].weight.grad[0, 0] = float("inf")
+        with apex_amp.scale_loss(F.mse_loss(m1(x), y), o1) as s:
+            s.backward()
+        o0.step()
+        o1.step()
+        assert all(torch.equal(a, b) for a, b in zip(before0, m0.parameters()))
+        assert not torch.equal(before1[0], m1[0].weight)
+        c = amp_patch.counters()
+        assert [o["skipped"] for o in c["optimizers"]] == [1, 0]
+    finally:
+        amp_patch.deinitialize()
+
+
+def test_amp_initialize_after_the_handle_was_deactivated_patches_again():
+    """Apex's test_cache ends each case with ``_amp_state.handle._deactivate()``;
+    the next ``amp.initialize`` casts again."""
+    m = net()
+    opt = sgd(m)
+    apex_amp.initialize(m, opt, opt_level="O1", half_dtype=f16, verbosity=0)
+    try:
+        x, _ = data()
+        apex_amp._amp_state.handle._deactivate()
+        assert torch.mm(x, x.t()).dtype == torch.float32
+        m2 = net(1)
+        apex_amp.initialize(m2, sgd(m2), opt_level="O1", half_dtype=f16, verbosity=0)
+        assert torch.mm(x, x.t()).dtype == f16
+        assert apex_amp._amp_state.handle.is_active()
+    finally:
+        amp_patch.deinitialize()

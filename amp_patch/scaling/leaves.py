@@ -84,15 +84,15 @@ class _Unscale:
     value they would have had unscaled is gone and the leaf's own optimizer,
     which amp_patch does not hold, would otherwise step on inf."""
 
-    __slots__ = ("run", "loss_id", "scale")
+    __slots__ = ("run", "check", "loss_id", "scale")
 
-    def __init__(self, run: Any, loss_id: int, scale: float):
-        self.run, self.loss_id, self.scale = run, loss_id, scale
+    def __init__(self, run: Any, check: int, loss_id: int, scale: float):
+        self.run, self.check, self.loss_id, self.scale = run, check, loss_id, scale
 
     def __call__(self, grad: Tensor) -> Tensor:
         run, l, dev = self.run, self.loss_id, grad.device
         out = grad.clone()
-        torch._amp_foreach_non_finite_check_and_unscale_([out], run.found_flag(l, dev), run.inv_scale(l, dev, self.scale))
+        torch._amp_foreach_non_finite_check_and_unscale_([out], run.found_flag(self.check, dev), run.inv_scale(l, dev, self.scale))
         return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0)
 
 
@@ -100,8 +100,9 @@ def unscale_on_arrival(leaves: Sequence[Tensor], run: Any, loss_id: int, scale: 
     """Hook each of ``leaves`` so its gradient arrives unscaled, its overflow
     counted against loss ``loss_id`` of ``run`` (the scaling state); returns
     the hook handles, to be removed once the backward is over."""
-    run.checked.add(loss_id)
-    hook = _Unscale(run, loss_id, scale)
+    check = run.new_check(loss_id)
+    run.foreign.setdefault(loss_id, []).append(check)  # the backward's own optimizers skip on it too
+    hook = _Unscale(run, check, loss_id, scale)
     return [leaf.register_hook(hook) for leaf in leaves]
 
 

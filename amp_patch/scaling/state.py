@@ -71,7 +71,7 @@ class Handle:
         self.stage = Stage.READY
         self.loss: Optional[int] = None  # the loss whose scale the SCALED gradients carry
         self.parked: Optional[List[Tuple[Tensor, Tensor]]] = None  # (param, true grad) parked during a scaled backward
-        self.fed_by: set = set()  # losses that fed this optimizer since the last skip decision
+        self.fed_by: set = set()  # the checks of the backwards that fed this optimizer since the last skip decision
         self.skip: Optional[bool] = None  # skip decision waiting for this optimizer's step
         self.steps = 0
         self.skipped = 0
@@ -130,8 +130,13 @@ class Run:
         self.scalers: List[LossScaler] = []
         self.max_skips: Optional[int] = None
         self.handles: List[Handle] = []  # patched, in attach order: what a plain backward feeds
-        self.found: Dict[Tuple[int, torch.device], Tensor] = {}  # (loss, device) -> inf/NaN flag this step
+        # One check per scaled backward (Apex decided per scale_loss exit which
+        # optimizers skip): check id -> its loss, and (check, device) -> its inf/NaN flag
+        self.checks: Dict[int, int] = {}
+        self.found: Dict[Tuple[int, torch.device], Tensor] = {}
         self.checked: set = set()  # losses checked since the last skip decision
+        self.foreign: Dict[int, List[int]] = {}  # loss -> checks of foreign leaves, for the backward's optimizers
+        self._next_check = 0
         self.inv: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
         self.undecided = False  # something awaits a transfer or a skip decision
         self.plain = False  # the patched backward has work to do
@@ -156,19 +161,26 @@ class Run:
             self.scalers[0].active or any(h.masters is not None and len(h.masters) for h in self.handles)
         )
 
-    def unscaler(self, loss_id: int):
-        """``unscale(tensors)`` for loss ``loss_id``, or None when it is not scaled."""
+    def new_check(self, loss_id: int) -> int:
+        """A new inf/NaN check of loss ``loss_id``'s gradients, decided at the next skip decision."""
+        cid = self._next_check
+        self._next_check += 1
+        self.checks[cid] = loss_id
+        self.checked.add(loss_id)
+        return cid
+
+    def unscaler(self, loss_id: int) -> Optional["_Unscale"]:
+        """``unscale(tensors)`` for loss ``loss_id`` under a new check, or None when it is not scaled."""
         scaler = self.scalers[loss_id]
         if not scaler.active:
             return None
-        self.checked.add(loss_id)
-        return _Unscale(self, loss_id, scaler.scale)
+        return _Unscale(self, self.new_check(loss_id), loss_id, scaler.scale)
 
-    def found_flag(self, loss_id: int, device: torch.device) -> Tensor:
-        """This step's inf/NaN flag of loss ``loss_id`` on ``device`` (> 0: found), kept on the device."""
-        found = self.found.get((loss_id, device))
+    def found_flag(self, check: int, device: torch.device) -> Tensor:
+        """The inf/NaN flag of ``check`` on ``device`` (> 0: found), kept on the device."""
+        found = self.found.get((check, device))
         if found is None:
-            found = self.found[(loss_id, device)] = torch.zeros((), dtype=torch.float32, device=device)
+            found = self.found[(check, device)] = torch.zeros((), dtype=torch.float32, device=device)
         return found
 
     def inv_scale(self, loss_id: int, device: torch.device, scale: float) -> Tensor:
@@ -190,8 +202,10 @@ def _dense_real(t: Tensor) -> Tensor:
 
 
 class _Unscale:
-    def __init__(self, run: Run, loss_id: int, scale: float):
-        self.run, self.loss_id, self.scale = run, loss_id, scale
+    """Unscale tensors in place for one loss, folding inf/NaN into one check's flag."""
+
+    def __init__(self, run: Run, check: int, loss_id: int, scale: float):
+        self.run, self.check, self.loss_id, self.scale = run, check, loss_id, scale
 
     def __call__(self, tensors: List[Tensor]) -> None:
         by_device: Dict[torch.device, List[Tensor]] = {}
@@ -200,7 +214,7 @@ class _Unscale:
             by_device.setdefault(t.device, []).append(t)
         run, l = self.run, self.loss_id
         for dev, ts in by_device.items():
-            torch._amp_foreach_non_finite_check_and_unscale_(ts, run.found_flag(l, dev), run.inv_scale(l, dev, self.scale))
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, run.found_flag(self.check, dev), run.inv_scale(l, dev, self.scale))
 
 
 def run_of(amp: Any) -> Run:
@@ -278,7 +292,8 @@ def transfer_group(run: Run, handles: Sequence[Handle]) -> None:
         seen: set = set()
         grads: List[Tensor] = []
         for h in group:
-            h.fed_by.add(l)
+            if unscale is not None:
+                h.fed_by.add(unscale.check)
             if h.masters is not None and len(h.masters):
                 h.masters.collect_grads(unscale, keep_half=keep)
             for p in h.own_params():
@@ -367,8 +382,10 @@ def after_backward(run: Run, handles: Sequence[Handle], loss_id: int, delay_unsc
     gradients now, unless ``delay_unscale`` leaves that to a later exit."""
     if not run.scalers[loss_id].active and not any(h.masters is not None and len(h.masters) for h in handles):
         return
+    foreign = run.foreign.pop(loss_id, ())
     for h in handles:
         h.move(Stage.SCALED, loss_id)
+        h.fed_by.update(foreign)
     run.undecided = True
     if not delay_unscale:
         transfer_group(run, handles)
@@ -380,33 +397,44 @@ def decide_skips(run: Run) -> None:
         return
     transfer_all(run)
     overflow: Dict[int, bool] = {}
+    bad: Dict[int, bool] = {}  # check -> overflowed
     stuck: List[int] = []
-    if run.checked:
+    if run.checks:
         scalers = run.scalers
         dev = next(iter(run.found))[1] if run.found else home_device(run.amp)
-        per_loss = [torch.zeros((), device=dev) for _ in scalers]
-        for (l, d), f in run.found.items():
-            per_loss[l] = per_loss[l] + f.to(dev)
-        flags = torch.stack(per_loss)
+        per_check = {c: torch.zeros((), device=dev) for c in run.checks}
+        for (c, d), f in run.found.items():
+            per_check[c] = per_check[c] + f.to(dev)
         if distributed():
-            # every rank reaches this point once per step, so the collective pairs up
+            # every rank reaches this point once per step, so the collective pairs
+            # up; per loss, since ranks need not run the same number of backwards
+            per_loss = [torch.zeros((), device=dev) for _ in scalers]
+            for c, f in per_check.items():
+                per_loss[run.checks[c]] = per_loss[run.checks[c]] + f
+            flags = torch.stack(per_loss)
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        flags = flags.tolist()  # the one host sync of the step
+            by_loss = flags.tolist()  # the one host sync of the step
+            bad = {c: by_loss[l] > 0 for c, l in run.checks.items()}
+        else:
+            cids = list(per_check)
+            values = torch.stack([per_check[c] for c in cids]).tolist()  # the one host sync of the step
+            bad = {c: v > 0 for c, v in zip(cids, values)}
         for l in sorted(run.checked):
-            overflow[l] = flags[l] > 0
+            overflow[l] = any(bad[c] for c, cl in run.checks.items() if cl == l)
         run.found.clear()
+        run.checks.clear()
         run.checked.clear()
-        for l, bad in overflow.items():
+        for l, is_bad in overflow.items():
             s = scalers[l]
             before = s.scale
-            s.update(bad)
-            if bad:
+            s.update(is_bad)
+            if is_bad:
                 _on_overflow(run, l, s, before)
                 if run.max_skips is not None and s.skips_at_min >= run.max_skips:
                     stuck.append(l)
     for h in run.handles:
         if h.fed_by:
-            h.skip = any(overflow.get(l, False) for l in h.fed_by)
+            h.skip = any(bad.get(c, False) for c in h.fed_by)
             h.fed_by.clear()
     run.undecided = False
     if stuck:
