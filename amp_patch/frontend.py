@@ -255,7 +255,7 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
     else:
         new_models, new_opts = model_list, inner_opts
     model_side.validate(new_models, props, options)
-    optimizers_side.validate(new_models, new_opts, props, options, running)
+    optimizers_side.validate(new_models, new_opts, props, options, running, replacing=prov)
 
     if replaced is not None:
         # every check passed: only now does the earlier run end

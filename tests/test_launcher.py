@@ -400,3 +400,41 @@ def test_a_scripts_bad_initialize_leaves_the_launchers_session_running(tmp_path,
     assert out["state"] is out["launcher_state"] and out["state"].provisional is not None
     assert out["patches"] == out["launcher_patches"] > 0
     assert out["out"].dtype == torch.float32 and not amp_patch.is_initialized()
+
+
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+_OWN_INIT = """
+import torch, torch.nn as nn, torch.nn.functional as F
+{imp}
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = {init}(model, opt, opt_level="{level}")
+first = model[0].weight.detach().float().clone()
+for i in range(3):
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    opt.zero_grad()
+    loss = F.mse_loss(model(x).float(), y)
+    {backward}
+    opt.step()
+param_dtype = model[0].weight.dtype
+moved = not torch.equal(first, model[0].weight.detach().float())
+"""
+
+
+@pytest.mark.parametrize("front", ["amp_patch", "apex"])
+@pytest.mark.parametrize("script_level", LEVELS)
+@pytest.mark.parametrize("launch_level", LEVELS)
+def test_the_scripts_own_initialize_wins_at_every_pair_of_levels(tmp_path, launch_level, script_level, front):
+    """README: the script's own initialize replaces the launcher's, whatever the two levels."""
+    if front == "apex":
+        imp, init = "from apex import amp", "amp.initialize"
+        backward = "with amp.scale_loss(loss, opt) as s: s.backward()"
+    else:
+        imp, init, backward = "import amp_patch", "amp_patch.initialize", "loss.backward()"
+    script = write(tmp_path, "own_init.py", _OWN_INIT.format(imp=imp, init=init, level=script_level, backward=backward))
+    out = launcher.run(str(script), [], Settings.resolve(opt_level=launch_level, half_dtype="bfloat16"))
+    casts_model = script_level in ("O2", "O3", "O5")
+    assert out["param_dtype"] == (torch.bfloat16 if casts_model else torch.float32)
+    assert out["moved"]
+    assert not amp_patch.is_initialized()

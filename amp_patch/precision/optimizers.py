@@ -25,9 +25,12 @@ def inner_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
 
 
 def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer], props: Any,
-             options: Options, running: Any) -> None:
+             options: Options, running: Any, replacing: Any = None) -> None:
     """Check ``optimizers`` (with the ``models`` they come with) before anything
-    changes; ``running`` is the session they would join, or None for a new one.
+    changes; ``running`` is the session they would join, or None for a new one;
+    ``replacing`` a provisional session (the launcher's) this call ends once
+    every check has passed: its FP32 masters count as the model parameters
+    they stand in for, since ending it gives those back to the optimizers.
 
     Raises:
         ConfigError: naming the optimizer and the fix.
@@ -47,6 +50,11 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
         )
     if props.master_weights:
         known = {id(p) for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()}
+        if replacing is not None:
+            for h in replacing.optimizer_handles.values():
+                mw = h.masters
+                if mw is not None:
+                    known.update(id(m) for half, m in zip(mw.halfs, mw.masters) if id(half) in known)
         owner: Dict[int, int] = {}
         for i, opt in enumerate(optimizers):
             for g, group in enumerate(opt.param_groups):
@@ -66,10 +74,12 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
                         )
                     owner[id(p)] = i
     elif props.cast_model_type is None and not options.allow_half_params:
+        # what the provisional session converted goes back to FP32 when it ends
+        converted = {id(p) for rec in replacing.model_records for p, _ in rec.params} if replacing is not None else set()
         for i, opt in enumerate(optimizers):
             for g, group in enumerate(opt.param_groups):
                 for j, p in enumerate(group["params"]):
-                    if p.dtype in LOW:
+                    if p.dtype in LOW and id(p) not in converted:
                         raise ConfigError(
                             f"optimizer {i} ({type(opt).__name__}) param_groups[{g}]['params'][{j}] is {p.dtype}: "
                             f"the optimizer would update half-precision weights directly (FP16 master weights), "
