@@ -68,7 +68,7 @@ class _DeepCopy:
         state = {k: v for k, v in mod.__dict__.items() if not isinstance(v, _OURS)}
         new.__setstate__(copy.deepcopy(state, memo))
         with torch.no_grad():
-            _to_fp32(mod, new, self.plan)
+            _to_fp32(mod, new, self.plan, memo)
         return new
 
 
@@ -84,8 +84,15 @@ class _Reduce:
         return copy.deepcopy(self.module).__reduce_ex__(protocol)
 
 
-def _to_fp32(old_root: nn.Module, new_root: nn.Module, plan: Plan) -> None:
-    """Give ``new_root`` (a fresh structural copy of ``old_root``) FP32 values and no amp_patch hooks."""
+def _to_fp32(old_root: nn.Module, new_root: nn.Module, plan: Plan, memo: dict) -> None:
+    """Give ``new_root`` (a fresh structural copy of ``old_root``) FP32 values and no amp_patch hooks.
+
+    A parameter's FP32 value is its master's where an optimizer holds one, and
+    the copy of the parameter stands for the master in ``memo`` too: a copy of
+    the optimizer made in the same ``deepcopy`` (``copy.deepcopy((model,
+    optimizer))``, in either order) then steps the copied model, as a deep
+    copy of the pair made before ``initialize`` would.
+    """
     for old, new in zip(old_root.modules(), new_root.modules()):
         for name, p in old._parameters.items():
             q = new._parameters.get(name)
@@ -93,8 +100,13 @@ def _to_fp32(old_root: nn.Module, new_root: nn.Module, plan: Plan) -> None:
                 continue
             value = plan.fp32_value(p)
             dtype = plan.dtypes.get(id(p))
+            prior = memo.get(id(value)) if value is not None else None
+            if isinstance(prior, nn.Parameter) and prior.shape == q.shape and prior.dtype == value.dtype:
+                new._parameters[name] = prior  # the optimizer's copy came first: the model shares it
+                continue
             if value is not None:
                 q.data = value.detach().clone(memory_format=torch.preserve_format)
+                memo[id(value)] = q
             elif dtype is not None and q.dtype != dtype:
                 q.data = q.data.to(dtype)
             if q.grad is not None and q.grad.dtype != q.dtype:

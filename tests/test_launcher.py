@@ -438,3 +438,40 @@ def test_the_scripts_own_initialize_wins_at_every_pair_of_levels(tmp_path, launc
     assert out["param_dtype"] == (torch.bfloat16 if casts_model else torch.float32)
     assert out["moved"]
     assert not amp_patch.is_initialized()
+
+
+_LATE_MODEL = """
+import copy, pickle, torch, torch.nn as nn
+from apex import amp
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = amp.initialize(model, opt, opt_level="O1")
+seen = []
+late = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))  # built after initialize, for evaluation
+late[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+x = torch.randn(4, 8)
+out = late(x)
+as_numpy = out.detach().numpy()
+copied = copy.deepcopy(late)(x).dtype
+other = nn.Linear(8, 2)
+other(x)
+pickled = pickle.loads(pickle.dumps(other))(x).dtype
+"""
+
+
+@pytest.mark.parametrize("outputs", ["float32", "half"])
+def test_a_model_built_after_initialize_returns_fp32_from_its_outermost_call(tmp_path, outputs):
+    from torch.nn.modules import module as torch_module
+
+    script = write(tmp_path, "late.py", _LATE_MODEL if outputs == "float32" else _LATE_MODEL.replace(
+        "as_numpy = out.detach().numpy()", "as_numpy = None"))
+    pre_hooks = dict(torch_module._global_forward_pre_hooks)
+    out = launcher.run(str(script), [], Settings.resolve(opt_level="O1", half_dtype="bfloat16", outputs=outputs))
+    assert out["seen"][0] == torch.bfloat16, "inside the model the layers keep their half outputs"
+    want = torch.float32 if outputs == "float32" else torch.bfloat16
+    assert out["out"].dtype == want and out["copied"] == want
+    if outputs == "float32":
+        assert out["as_numpy"].shape == (4, 2)
+    assert out["pickled"] == want, "a pickled model carries no hook of amp_patch's that cannot be pickled"
+    assert dict(torch_module._global_forward_pre_hooks) == pre_hooks
+    assert not out["late"]._forward_hooks and not out["other"]._forward_hooks, "the launcher's hooks are gone"

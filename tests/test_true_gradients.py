@@ -392,3 +392,84 @@ def test_amp_initialize_after_the_handle_was_deactivated_patches_again():
         assert apex_amp._amp_state.handle.is_active()
     finally:
         amp_patch.deinitialize()
+
+
+# ---------------------------------------------------------------- copies of a model and its optimizer
+
+
+@pytest.mark.parametrize("order", ["model-first", "optimizer-first"])
+def test_a_deep_copy_of_model_and_optimizer_at_o2_is_a_consistent_pair(order):
+    """``copy.deepcopy((model, optimizer))`` gives the pair a deep copy made
+    before initialize gives: stepping the copied optimizer trains the copied model."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = data()
+    with amp(model, opt, "O2", **FP16) as (model, opt):
+        F.mse_loss(model(x), y).backward()
+        opt.step()  # momentum state exists
+        ref_model = copy.deepcopy(model)  # a plain FP32 copy of the model's values
+        if order == "model-first":
+            m2, o2 = copy.deepcopy((model, opt))
+        else:
+            o2, m2 = copy.deepcopy((opt, model))
+    # a reference pair built from the same values in plain torch
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt.load_state_dict(copy.deepcopy(o2.state_dict()))  # load_state_dict would share the buffers
+    held = {id(p) for g in o2.param_groups for p in g["params"]}
+    assert held == {id(p) for p in m2.parameters()}, "the copied optimizer holds the copied model's parameters"
+    assert all(p.dtype == torch.float32 for p in m2.parameters())
+    for m, o in ((m2, o2), (ref_model, ref_opt)):
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    for a, b in zip(m2.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- a tie across the half/FP32 boundary
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(20, 8)
+        self.body = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 20, bias=False)
+        self.out.weight = self.embed.weight  # tied, as language models do
+
+    def forward(self, tokens):
+        return self.out(torch.relu(self.body(self.embed(tokens))))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_keep_fp32_on_a_head_tied_to_the_embedding_keeps_both_fp32(level):
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+    tokens = torch.randint(0, 20, (4, 5))
+    opt = sgd(model)
+    with amp(model, opt, level, keep_fp32=["out"], **FP16) as (model, opt):
+        assert model.out.weight is model.embed.weight
+        assert model.embed.weight.dtype == torch.float32 and model.body.weight.dtype == f16
+        out = model(tokens)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, ref(tokens), rtol=1e-2, atol=1e-2)
+        F.cross_entropy(out.reshape(-1, 20), tokens.reshape(-1)).backward()
+        opt.step()
+
+
+def test_functional_call_with_fp32_parameters_at_o2_computes_in_fp32():
+    from torch.func import functional_call
+
+    model = net()
+    ref = copy.deepcopy(model)
+    opt = sgd(model)
+    x, _ = data()
+    with amp(model, opt, "O2", **FP16) as (model, opt):
+        fp32 = {k: v.detach().float() for k, v in ref.named_parameters()}
+        out = functional_call(model, fp32, (x,))
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, ref(x), rtol=1e-6, atol=1e-6)
+        assert model(x).dtype == torch.float32  # the model's own call: half inside, FP32 out
+        half = {k: v.detach().half() for k, v in ref.named_parameters()}
+        torch.testing.assert_close(functional_call(model, half, (x,)), model(x))

@@ -49,6 +49,7 @@ from ..precision import model as model_side
 from ..properties import ENV_HALF_DTYPE, OPT_LEVELS, parse_dtype, resolve
 from ..session import Provisional, UndoStack
 from . import alias
+from .outputs import OutermostOutputs
 
 log = logging.getLogger("amp_patch")
 
@@ -342,6 +343,11 @@ class Launch:
                 hook = OptimizerHook(self._on_optimizer)
                 hook.install()
                 self.undo.push(hook.uninstall)
+            if self.settings.output_dtype is not None:
+                # models nobody paired (built after initialize, for evaluation) return FP32 too
+                guard = OutermostOutputs()
+                guard.install()
+                self.undo.push(guard.uninstall)
         except BaseException:
             self.stop()
             raise

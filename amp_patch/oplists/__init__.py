@@ -39,7 +39,7 @@ import torch
 import yaml
 
 from ..errors import ListError
-from .schema import INPLACE_DUNDERS, POLICIES
+from .schema import INPLACE_DUNDERS, POLICIES, PROTOCOL_WRITES
 
 log = logging.getLogger("amp_patch")
 
@@ -264,6 +264,13 @@ class _Reader:
                     self.problem(line, path, f"{name!r} is not in {ns}; it is in {homes[0]}{also}: list it under {homes[0]}:")
                 else:
                     self.problem(line, path, f"{name!r} is not in {ns}{_nearest(name, _op_names(ns))} (mark it 'optional: true' if it exists only in some torch versions)")
+        elif pol != "remove" and name in PROTOCOL_WRITES:
+            self.problem(
+                line, path,
+                f"{ns}.{name} writes into its receiver (h[i] = v), whose dtype an op list cannot change: a casting "
+                f"wrapper would write into a temporary copy and the tensor would never change. Remove the entry; "
+                f"the value assigned already takes the receiver's dtype.",
+            )
         elif pol != "remove":
             why = not_an_op(NAMESPACES[ns], name)
             if why is not None:

@@ -18,3 +18,8 @@ INPLACE_DUNDERS = frozenset(
 def is_inplace(name: str) -> bool:
     """Whether the op ``name`` writes into its first argument."""
     return name in INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+
+
+#: protocol methods that write into their receiver without the in-place naming:
+#: a casting wrapper would write into a temporary copy, so no list may name them
+PROTOCOL_WRITES = frozenset({"__setitem__", "__delitem__", "__set__"})

@@ -347,9 +347,14 @@ def make_wrapper(
         return kind(original, _banned(qualname, half, fix, live))
     name = qualname.rpartition(".")[2]
     plan = make_planner(policy, half, qualname)
+    inplace_at = None if is_inplace(name) else _inplace_parameter(original)
     if is_inplace(name):
         # ``x.exp_()`` and ``torch.exp_(x)`` alike: the receiver is args[0]
         fn = _inplace(policy, qualname, live, ledger)
+    elif inplace_at is not None:
+        # F.relu(x, inplace=True) and its kin: no C fast path, every call is checked
+        inner = _instrumented(qualname, policy, plan, cache, ledger, live) if ledger is not None else _general(plan, cache, live)
+        return kind(original, _keyword_inplace(inner, inplace_at))
     elif ledger is not None:
         fn = _instrumented(qualname, policy, plan, cache, ledger, live)
     elif qualname in CONDITIONS:
@@ -387,6 +392,32 @@ def make_wrapper(
 # arguments only, casting on, the session live, not bound. They scan flat
 # arguments inline and call the original without an empty ``**kwargs``; any
 # other call goes to the general wrapper, unchanged.
+
+
+def _inplace_parameter(original) -> Optional[int]:
+    """The position of an ``inplace`` parameter of a Python function (``F.relu``,
+    ``F.dropout``), or None."""
+    code = getattr(original, "__code__", None)
+    if code is None:
+        return None
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    return names.index("inplace") if "inplace" in names else None
+
+
+def _keyword_inplace(inner, at):
+    """An op in-place by its ``inplace`` argument stays in place after any
+    policy: it computes as ``inner`` decides (on a cast copy when its policy
+    casts), and the result is written back into the receiver, whose dtype it
+    keeps, as the same call in plain torch would have changed it."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        flag = kwargs.get("inplace", False) if "inplace" in kwargs else (len(args) > at and args[at])
+        out = inner(wrapped, instance, args, kwargs)
+        if flag and args and isinstance(args[0], Tensor) and out is not args[0] and isinstance(out, Tensor):
+            return args[0].copy_(out)
+        return out
+
+    return wrapper
 
 
 def _fixed(original, to, general, cache, live):

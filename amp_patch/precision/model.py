@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -29,6 +30,8 @@ from ..errors import ConfigError, StateError
 from ..options import Options
 from ..patching.cast import CASTABLE, LOW, cast, needs_cast
 from . import compat, master
+
+log = logging.getLogger("amp_patch")
 
 Tensor = torch.Tensor
 f32 = torch.float32
@@ -44,13 +47,24 @@ Filter = Callable[[nn.Module, str], bool]
 
 
 class CastInputs:
-    """Forward pre-hook: cast floating inputs (args and kwargs) to ``dtype``."""
+    """Forward pre-hook: cast floating inputs (args and kwargs) to ``dtype``.
 
-    def __init__(self, dtype: torch.dtype):
+    ``probe``: ``(module, name)`` of one converted parameter. When a call
+    swaps the parameters for others (``torch.func.functional_call(model,
+    fp32_params, x)``), the inputs follow the dtype of the one in use there,
+    so the call computes in the precision of the parameters it was given.
+    """
+
+    def __init__(self, dtype: torch.dtype, probe: Optional[Tuple[nn.Module, str]] = None):
         self.dtype = dtype
+        self.probe = probe
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         to = self.dtype
+        if self.probe is not None:
+            used = self.probe[0]._parameters.get(self.probe[1])
+            if used is not None and used.dtype is not to and used.dtype in CASTABLE:
+                to = used.dtype
         if needs_cast(args, to) or (kwargs and needs_cast(kwargs, to)):
             return cast(args, to, None), cast(kwargs, to, None)
         return None
@@ -311,17 +325,48 @@ class _Converted:
         self.handed_out: Dict[Any, "_Exact"] = {}
 
 
+def _kept_modules(model: nn.Module, keep_bn: bool, keep: Optional[Filter]) -> set:
+    """``id`` of each module that stays FP32: kept batchnorms, ``keep_fp32``'s
+    matches, and every module that shares a parameter with one of them (a head
+    tied to the embedding): a tie across the half/FP32 boundary would make the
+    shared weight half on one side and FP32 on the other, so both sides stay
+    FP32 and their outputs rejoin the half model."""
+    kept = set()
+    kept_params: set = set()
+    for name, mod in model.named_modules():
+        if (keep_bn and isinstance(mod, nn.modules.batchnorm._BatchNorm)) or (keep is not None and name and keep(mod, name)):
+            kept.add(id(mod))
+            kept_params.update(id(p) for p in mod.parameters())
+    if not kept:
+        return kept
+    inside = {id(m) for mod in model.modules() if id(mod) in kept for m in mod.modules()}
+    grew = True
+    while grew:  # a module kept for a tie may be tied to another in turn
+        grew = False
+        for name, mod in model.named_modules():
+            if id(mod) in inside:
+                continue
+            own = [id(p) for p in mod._parameters.values() if p is not None]
+            if any(i in kept_params for i in own):
+                log.info("amp_patch: %s shares a parameter with a module kept in FP32, so it is kept in FP32 too", name or "the model")
+                kept.add(id(mod))
+                inside.update(id(m) for m in mod.modules())
+                kept_params.update(id(p) for p in mod.parameters())
+                grew = True
+    return kept
+
+
 def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool, keep: Optional[Filter],
              save_dtype: torch.dtype, originals: Dict[int, tuple]) -> None:
     """Cast ``rec.model`` in place, recording each change in ``rec`` as it is made."""
     model = rec.model
     skip = set()
     seen_params = set()
+    kept_ids = _kept_modules(model, keep_bn, keep)
     for name, mod in model.named_modules():
         if id(mod) in skip:
             continue
-        kept = (keep_bn and isinstance(mod, nn.modules.batchnorm._BatchNorm)) or (keep is not None and name and keep(mod, name))
-        if kept:
+        if id(mod) in kept_ids:
             skip.update(id(m) for m in mod.modules())
             if not isinstance(mod, _MIXED_INPUT_OK):
                 rec.handles.append(mod.register_forward_pre_hook(CastInputs(f32), with_kwargs=True))
@@ -357,7 +402,8 @@ def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep
             mod.flatten_parameters()
     probe = next((p for p, _ in rec.params if p.dtype == dtype), None)
     rec.handles.append(model.register_forward_pre_hook(SyncWritten(probe, dtype)))
-    rec.handles.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
+    where = next(((m, n) for m in model.modules() for n, p in m._parameters.items() if p is probe), None) if probe is not None else None
+    rec.handles.append(model.register_forward_pre_hook(CastInputs(dtype, where), with_kwargs=True))
     rec.handles.append(model.register_forward_hook(CastOutputs(out_dtype)))
     dtypes: Dict[Any, torch.dtype] = {id(p): d for p, d in rec.params}
     dtypes.update({(id(mod), name): d for mod, name, d in rec.buffers})

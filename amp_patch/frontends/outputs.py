@@ -1,0 +1,94 @@
+"""FP32 outputs for every outermost module call on the zero-code routes.
+
+A script run by the launcher (or ``amp_patch.auto``) was written for FP32, so
+what its models return must look FP32 to the code around them
+(``logits.detach().cpu().numpy()`` has no BF16). The models the launcher or
+the script's ``initialize`` know get a ``CastOutputs`` hook; this covers the
+rest: a model built after ``initialize`` (Hugging Face's ``from_pretrained``
+for evaluation), a second network nobody paired, under O1's patched
+functions. Only the outermost call is cast: a module called inside another
+one returns what it computed, so the model's inner layers keep their half
+activations.
+
+A global forward pre-hook notes which module call is outermost in this
+thread; that module gets a forward hook (once per module object, always
+called, so an exception cannot leave the thread "inside") that casts its
+floating half outputs to FP32 when the outermost call ends. The hook is a
+plain function, so copies and pickles of the model carry nothing of ours
+that cannot be copied.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from .. import session
+from ..patching.cast import cast
+
+_state = threading.local()  # .module: the outermost module being called; .depth: its own nesting
+_active: Optional["OutermostOutputs"] = None
+
+
+def _pre(module: torch.nn.Module, args: Any) -> None:
+    guard = _active
+    if guard is None:
+        return
+    outer = getattr(_state, "module", None)
+    if outer is None:
+        _state.module, _state.depth = module, 1
+        if module not in guard.hooked:
+            guard.hooked[module] = module.register_forward_hook(_end, always_call=True)
+    elif outer is module:
+        _state.depth += 1
+
+
+def _end(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    if getattr(_state, "module", None) is not module:
+        return None
+    _state.depth -= 1
+    if _state.depth:
+        return None
+    _state.module = None
+    if _active is None or session.current() is None:
+        return None
+    return cast(output, torch.float32, None)  # the same object back when nothing is half
+
+
+class OutermostOutputs:
+    """Cast the floating half outputs of every outermost module call to FP32 while installed.
+
+    Example::
+
+        guard = OutermostOutputs()
+        guard.install()
+        try:
+            run_the_script()
+        finally:
+            guard.uninstall()
+    """
+
+    def __init__(self) -> None:
+        self.hooked: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+        self.handle: Any = None
+
+    def install(self) -> None:
+        global _active
+        _active = self
+        _state.module = None
+        self.handle = register_module_forward_pre_hook(_pre)
+
+    def uninstall(self) -> None:
+        global _active
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        for h in list(self.hooked.values()):
+            h.remove()
+        self.hooked.clear()
+        if _active is self:
+            _active = None
+        _state.module = None
