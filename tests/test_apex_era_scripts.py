@@ -132,9 +132,13 @@ def test_dcgan_style_script_with_three_losses(tmp_path):
 
 
 @pytest.mark.slow
-def test_2018_amp_init_script(tmp_path):
-    (r,), proc = run(launcher("--half-dtype", "float16", str(SCRIPTS / "amp_init_2018.py")), tmp_path)
-    assert r["active"] and r["dtypes"] == {"linear": "torch.float16", "gelu_fast": "torch.float32"}
+@pytest.mark.parametrize("outputs", ["half", "float32"])
+def test_2018_amp_init_script(tmp_path, outputs):
+    (r,), proc = run(launcher("--half-dtype", "float16", "--outputs", outputs, str(SCRIPTS / "amp_init_2018.py")), tmp_path)
+    # the script calls model[0] on its own, an outermost module call: the
+    # launcher's default returns it FP32, --outputs half as Apex computed it
+    linear = "torch.float16" if outputs == "half" else "torch.float32"
+    assert r["active"] and r["dtypes"] == {"linear": linear, "gelu_fast": "torch.float32"}
     assert r["after"] == "torch.float32"  # handle._deactivate() ended the run
     assert r["losses"][-1] < r["losses"][0]
 
