@@ -133,8 +133,12 @@ def standin_of(fullname: str) -> Any:
     """The module name (or, for ``apex.amp``'s submodules, the module) that
     stands in for ``fullname``, or None when amp_patch serves no such module."""
     if fullname.startswith("apex.amp."):
-        sub = fullname[len("apex.amp."):]
-        return amp.SUBMODULES.get(sub)
+        head, _, rest = fullname[len("apex.amp."):].partition(".")
+        module = amp.SUBMODULES.get(head)
+        if module is None or not rest:
+            return module
+        # a submodule of a package that stands in (apex.amp.lists.functional_overrides)
+        return f"{module.__name__}.{rest}" if hasattr(module, "__path__") else None
     if fullname in STANDINS:
         return STANDINS[fullname]
     for name in sorted(STANDINS, key=len, reverse=True):
