@@ -137,6 +137,34 @@ class FP16_Optimizer:
                 norms.append(norm.reshape(1))
         return grads, norms, bool(self.overflow_buf.item())
 
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
+        """Clip the gradients about to be applied to a total norm of ``max_norm``
+        (``apex.fp16_utils.FP16_Optimizer``'s method, for scripts that call it on
+        this one): the FP16 gradients, divided by the loss scale, are measured,
+        and scaled down by ``max_norm / (norm + 1e-6)`` when above it.
+
+        Returns:
+            The total norm of the unscaled gradients, or -1 on an overflow (the
+            gradients are then left as they are; ``step`` will skip).
+
+        Example::
+
+            optimizer.backward(loss)
+            optimizer.clip_master_grads(1.0)
+            optimizer.step()
+        """
+        grads = [p.grad for group in self.fp16_groups for p in group if p.grad is not None]
+        if not grads:
+            return 0.0
+        norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
+        total = float(torch.linalg.vector_norm(torch.stack(norms), norm_type)) / self.cur_scale
+        if total != total or total in (float("inf"), -float("inf")):
+            return -1
+        coef = max_norm / (total + 1e-6)
+        if coef < 1:
+            torch._foreach_mul_(grads, coef)
+        return total
+
     def step(self, closure: Any = None) -> None:
         """Skip on an overflow (and shrink a dynamic scale), else step the
         wrapped optimizer on the scaled FP16 gradients, writing the FP16 weights."""
