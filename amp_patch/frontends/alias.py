@@ -129,6 +129,13 @@ def _hint(fullname: str) -> str:
             f"and the extensions {extensions}. {use[0].upper()}{use[1:]}.")
 
 
+def _not_served(fullname: str) -> ModuleNotFoundError:
+    """The error for an Apex module amp_patch does not serve. It carries no
+    ``name``, so ``from apex import RNN`` reports it too (the import system
+    drops a ModuleNotFoundError named after the submodule it tried there)."""
+    return ModuleNotFoundError(f"No module named {fullname!r}: {_hint(fullname)}")
+
+
 def standin_of(fullname: str) -> Any:
     """The module name (or, for ``apex.amp``'s submodules, the module) that
     stands in for ``fullname``, or None when amp_patch serves no such module."""
@@ -192,13 +199,13 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return None
         if standin_of(fullname) is None:
             if (self.stand_in and not extension) or (extension and _real_spec(fullname, path, self) is None):
-                raise ModuleNotFoundError(f"No module named {fullname!r}: {_hint(fullname)}", name=fullname)
+                raise _not_served(fullname)
             return None
         if fullname != "apex.amp" and not fullname.startswith("apex.amp.") and _real_spec(fullname, path, self) is not None:
             return None  # a real Apex module (or a real amp_C, ...) stays in charge
         module = standin_module(fullname)
         if module is None:  # a module of a served package that amp_patch does not serve
-            raise ModuleNotFoundError(f"No module named {fullname!r}: {_hint(fullname)}", name=fullname)
+            raise _not_served(fullname)
         self._specs[fullname] = module.__spec__
         return importlib.machinery.ModuleSpec(fullname, self, is_package=hasattr(module, "__path__"))
 

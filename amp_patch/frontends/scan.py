@@ -51,7 +51,8 @@ class Use:
 
 
 # One step of a chain: ("attr", name), ("item",), ("call", n_positional, keywords, starred), or
-# ("kw", name): a keyword of the call the chain ends in, which gets a verdict of its own
+# ("kw", name): a keyword of the call the chain ends in, which gets a verdict of its own; ("store",)
+# last: the chain's final attribute is assigned to (rendered with a trailing " =")
 Step = Tuple[Any, ...]
 
 
@@ -90,10 +91,10 @@ class _Collector(ast.NodeVisitor):
         self.bound: Dict[str, Tuple[str, List[Step]]] = {}  # local name -> (dotted root, steps after it)
         self.uses: Dict[str, Tuple[int, str, List[Step]]] = {}  # rendered name -> (first line, root, steps)
 
-    def _use(self, root: str, steps: List[Step], line: int) -> None:
-        name = render(root, steps)
+    def _use(self, root: str, steps: List[Step], line: int, store: bool = False) -> None:
+        name = render(root, steps) + (" =" if store else "")
         if name not in self.uses:
-            self.uses[name] = (line, root, list(steps))
+            self.uses[name] = (line, root, list(steps) + ([("store",)] if store else []))
 
     # ------------------------------------------------------------ binding
 
@@ -116,13 +117,23 @@ class _Collector(ast.NodeVisitor):
     def visit_Assign(self, node: ast.Assign) -> None:
         self.visit(node.value)
         chain = self._chain(node.value)
-        # a name bound to an Apex expression keeps standing for it; one set to
-        # something else (`amp = None` after a failed import) keeps its Apex binding too
+        # a name bound to an Apex expression stands for it; a module or class
+        # name set to something else (`amp = None` after a failed import) keeps
+        # its Apex binding, an instance's name (`opt = FusedAdam(...)`) loses it
         for t in node.targets:
             if isinstance(t, ast.Name) and chain is not None:
                 self.bound[t.id] = chain
+            elif isinstance(t, ast.Name) and any(st[0] == "call" for st in self.bound.get(t.id, ("", []))[1]):
+                del self.bound[t.id]  # an instance of an Apex class, replaced by something else
         for t in node.targets:
-            if not isinstance(t, ast.Name):
+            if isinstance(t, ast.Attribute) and self._chain(t) is not None:
+                root, steps = self._chain(t)  # an attribute set: it must be settable
+                self._use(root, steps, t.lineno, store=True)
+                self._visit_inside(t.value)
+                inner = self._chain(t.value)
+                if inner is not None and inner[1]:
+                    self._use(inner[0], inner[1], t.lineno)
+            elif not isinstance(t, ast.Name):
                 self.visit(t)
 
     # ------------------------------------------------------------ chains
@@ -251,9 +262,7 @@ def _return_of(fn: Any) -> Any:
 def _self_attributes(cls: type) -> Set[str]:
     """The attributes the methods of ``cls`` (and its bases) assign to ``self``."""
     names: Set[str] = set()
-    for klass in cls.__mro__:
-        if not _ours(klass):
-            continue
+    for klass in cls.__mro__[:-1]:
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         except (OSError, TypeError, SyntaxError):
@@ -275,8 +284,8 @@ def _attribute(obj: Any, name: str) -> Any:
         if attr is _MISSING:
             if name in _self_attributes(cls):
                 raise _Unknown()
-            if "__getattr__" in dir(cls) and _ours(cls):
-                raise _Unknown()  # a class that answers attributes itself
+            if any("__getattr__" in vars(k) for k in cls.__mro__[:-1]):
+                raise _Unknown()  # a class that answers attributes itself (nn.Module's parameters and submodules)
             raise AttributeError(name)
         if isinstance(attr, property):
             return _return_of(attr.fget)
@@ -289,6 +298,19 @@ def _attribute(obj: Any, name: str) -> Any:
         # a property that needs a running session (``_amp_state.loss_scalers``): found, not run
         return _return_of(getattr(type(obj), name).fget)
     return getattr(obj, name)
+
+
+def _settable(obj: Any, name: str) -> None:
+    """Raise AttributeError("read-only ...") when ``obj.name = value`` would fail:
+    a property without a setter, or a class with ``__slots__`` that lacks it."""
+    cls = obj.cls if isinstance(obj, _Instance) else obj if isinstance(obj, type) else type(obj)
+    if isinstance(obj, (types.ModuleType, _Elements)):
+        return
+    attr = inspect.getattr_static(cls, name, _MISSING)
+    if isinstance(attr, property) and attr.fset is None:
+        raise AttributeError(f"read-only property {cls.__name__}.{name}")
+    if attr is _MISSING and "__dict__" not in dir(cls) and hasattr(cls, "__slots__"):
+        raise AttributeError(f"read-only: {cls.__name__} has __slots__ without {name!r}")
 
 
 class _Bound:
@@ -350,6 +372,9 @@ def _walk(obj: Any, where: str, steps: List[Step]) -> Tuple[Optional[str], int, 
             return where, len(steps), ""  # the value left amp_patch: the Apex name ended before
         kind = step[0]
         try:
+            if kind == "attr" and i + 1 < len(steps) and steps[i + 1][0] == "store":
+                _settable(obj, step[1])
+                return f"{where}.{step[1]}", len(steps), ""
             if kind == "kw":
                 _call(obj, ("call", 0, (step[1],), True))
                 return f"{where}({step[1]}=)", len(steps), ""
@@ -373,7 +398,9 @@ def _walk(obj: Any, where: str, steps: List[Step]) -> Tuple[Optional[str], int, 
                 where = f"{where}()"
         except _Unknown:
             return where, len(steps), ""
-        except AttributeError:
+        except AttributeError as e:
+            if str(e).startswith("read-only"):
+                return None, i, f"cannot set {step[1]!r} in amp_patch's stand-in ({where}): {e}"
             return None, i, f"has no {step[1]!r} in amp_patch's stand-in ({where})"
         except TypeError as e:
             return None, i, f"does not take this call in amp_patch's stand-in ({where}): {e}"
@@ -428,7 +455,8 @@ def scan(source: str, filename: str = "<script>") -> List[Use]:
     names = sorted(c.uses.items(), key=lambda kv: (kv[1][0], kv[0]))
     # a name's use is covered by the longer uses through it ("apex.parallel" by "apex.parallel.DDP")
     keep = [(n, v) for n, v in names
-            if n.endswith("*") or not any(o != n and o.startswith(n) and o[len(n)] in ".[(" for o, _ in names)]
+            if n.endswith("*") or n.endswith(" =") or
+            not any(o != n and o.startswith(n) and o[len(n)] in ".[(" for o, _ in names)]
     out = []
     for name, (line, root, steps) in keep:
         served_by, hint = resolve_steps(root, steps)

@@ -24,6 +24,25 @@ log = logging.getLogger("amp_patch")
 
 __all__ = ["DistributedFusedAdam"]
 
+
+@contextlib.contextmanager
+def _disable_pre_forward_hook(param: torch.nn.Parameter) -> Iterator[None]:
+    """Apex's helper that stops a parameter's pre-forward hook (its all-gather)
+    inside the block; the parameters here are never sharded, so it only keeps
+    Apex's ``_pre_forward_hook_is_enabled`` flag as Apex did."""
+    enabled = getattr(param, "_pre_forward_hook_is_enabled", False)
+    if enabled:
+        param._pre_forward_hook_is_enabled = False
+    try:
+        yield
+    finally:
+        if enabled:
+            param._pre_forward_hook_is_enabled = True
+
+
+#: Apex's import of torch's coalescing context manager, which subclasses of the optimizer use
+_coalescing_manager = dist.distributed_c10d._coalescing_manager
+
 #: Apex's tuning and memory-layout keywords: accepted, and without effect here
 _LAYOUT = ("dtype", "grad_sync_dtype", "param_sync_dtype", "device", "redundant_process_group", "overlap_grad_sync",
            "overlap_param_sync", "bucket_cap_mb", "pipeline_size", "contiguous_param_buffer",
