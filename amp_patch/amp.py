@@ -76,6 +76,12 @@ __all__ = [
     "_amp_state",
 ]
 
+#: Apex's ``apex.amp`` is a package: scripts read its ``__path__`` (DeepSpeed logs
+#: it), and an import of one of its submodules amp_patch does not serve
+#: (``apex.amp.opt``) reaches the apex alias, which names the replacement.
+#: Its submodules are served by ``SUBMODULES``, never from a directory.
+__path__: list = []
+
 # None until initialize is called; False after initialize(enabled=False),
 # which turns scale_loss, state_dict and load_state_dict into pass-throughs.
 _enabled: Optional[bool] = None

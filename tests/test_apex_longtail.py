@@ -1,0 +1,348 @@
+"""The Apex long tail: every module path Apex had, the pre-2020 optimizer API,
+amp_C's optimizer kernels, apex.contrib, the norms' autograd functions and
+extensions, the scaler internals and apex.amp.lists, and the smaller modules,
+each against a hand-written reference of the formula Apex's source computes."""
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import amp_patch
+from amp_patch import amp, session
+from amp_patch.apex import amp_C, apex_C, fused_adam_cuda, fused_layer_norm_cuda, fused_weight_gradient_mlp_cuda
+from amp_patch.apex import xentropy_cuda
+from amp_patch.apex.contrib.clip_grad import clip_grad_norm_
+from amp_patch.apex.contrib.group_norm import GroupNorm
+from amp_patch.apex.contrib.layer_norm import FastLayerNorm, FastLayerNormFN
+from amp_patch.apex.contrib.optimizers import FP16_Optimizer as ContribFP16_Optimizer
+from amp_patch.apex.contrib.optimizers import FusedAdam as ContribFusedAdam
+from amp_patch.apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+from amp_patch.apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+from amp_patch.apex.fused_dense import FusedDense, FusedDenseGeluDense
+from amp_patch.apex.mlp import MLP
+from amp_patch.apex.normalization import fused_layer_norm as N
+from amp_patch.apex.optimizers import FP16_Optimizer, FusedAdam
+from amp_patch.apex.reparameterization import apply_weight_norm, remove_weight_norm
+from amp_patch.frontends import alias, scan
+from helpers import case_results, run_workers, serve_cases
+
+f32 = torch.float32
+
+
+def tensors(*shapes, seed=0, dtype=f32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g).to(dtype) for s in shapes]
+
+
+# ================================================================ every module path, every form
+
+#: every module path of Apex that the alias serves (apex/ at e13873de, and the
+#: pre-2020 apex.optimizers.fp16_optimizer and apex.reparameterization)
+SERVED_PATHS = [
+    "apex.amp", "apex.amp.lists", "apex.amp.lists.functional_overrides", "apex.amp.lists.torch_overrides",
+    "apex.amp.lists.tensor_overrides", "apex.amp.frontend", "apex.amp.handle", "apex.amp.scaler",
+    "apex.parallel", "apex.parallel.LARC", "apex.parallel.distributed", "apex.parallel.multiproc",
+    "apex.parallel.sync_batchnorm", "apex.parallel.optimized_sync_batchnorm",
+    "apex.fp16_utils", "apex.fp16_utils.fp16_optimizer", "apex.fp16_utils.fp16util", "apex.fp16_utils.loss_scaler",
+    "apex.optimizers", "apex.optimizers.fused_adam", "apex.optimizers.fused_lamb", "apex.optimizers.fused_sgd",
+    "apex.optimizers.fused_adagrad", "apex.optimizers.fused_novograd", "apex.optimizers.fused_mixed_precision_lamb",
+    "apex.optimizers.fp16_optimizer",
+    "apex.normalization", "apex.normalization.fused_layer_norm",
+    "apex.multi_tensor_apply", "apex.multi_tensor_apply.multi_tensor_apply",
+    "apex.contrib", "apex.contrib.clip_grad", "apex.contrib.clip_grad.clip_grad", "apex.contrib.xentropy",
+    "apex.contrib.xentropy.softmax_xentropy", "apex.contrib.layer_norm", "apex.contrib.layer_norm.layer_norm",
+    "apex.contrib.optimizers", "apex.contrib.optimizers.fp16_optimizer", "apex.contrib.optimizers.fused_adam",
+    "apex.contrib.optimizers.fused_lamb", "apex.contrib.optimizers.fused_sgd",
+    "apex.contrib.optimizers.distributed_fused_adam", "apex.contrib.group_norm", "apex.contrib.group_norm.group_norm",
+    "apex.mlp", "apex.mlp.mlp", "apex.fused_dense", "apex.fused_dense.fused_dense", "apex.reparameterization",
+    "amp_C", "apex_C", "fused_adam_cuda", "fused_layer_norm_cuda", "fused_weight_gradient_mlp_cuda", "xentropy_cuda",
+]
+#: Apex module paths not served, and a word of what the error must name instead
+UNSERVED = {"apex.transformer": "tensor.parallel", "apex.transformer.tensor_parallel": "tensor.parallel",
+            "apex.RNN": "nn.LSTM", "apex.contrib.fmha": "scaled_dot_product_attention",
+            "apex.contrib.multihead_attn": "MultiheadAttention", "apex.contrib.sparsity": "torch.ao.pruning",
+            "apex.amp.opt": "public API", "syncbn": "SyncBatchNorm", "fused_dense_cuda": "nn.Linear"}
+
+
+@pytest.fixture
+def apex_alias(monkeypatch, caplog):
+    monkeypatch.setattr(alias, "_announced", False)
+    caplog.set_level(logging.ERROR, logger="amp_patch")
+    saved = list(sys.meta_path)
+    for name in [m for m in sys.modules if m == "apex" or m.startswith("apex.") or m in alias.EXTENSIONS]:
+        monkeypatch.delitem(sys.modules, name)
+    amp_patch.install_apex_alias()
+    yield
+    alias.remove_apex_alias()
+    for name in [m for m in sys.modules if m == "apex" or m.startswith("apex.")]:
+        del sys.modules[name]
+    sys.meta_path[:] = saved
+
+
+@pytest.mark.parametrize("path", SERVED_PATHS)
+def test_every_apex_module_path_imports_in_every_form(path, apex_alias):
+    ns: dict = {}
+    exec(f"import {path} as m", ns)  # the form that failed for apex.optimizers.fused_adam
+    parent, _, last = path.rpartition(".")
+    if parent:
+        exec(f"from {parent} import {last} as n", ns)
+    else:
+        ns["n"] = ns["m"]
+    exec(f"import {path}", ns)
+    top = ns[path.split(".")[0]]
+    via_attributes = top
+    for part in path.split(".")[1:]:
+        via_attributes = getattr(via_attributes, part)
+    m = importlib.import_module(path)
+    assert ns["m"] is ns["n"] is m is sys.modules[path]
+    if path != "apex.amp._amp_state":
+        assert via_attributes is m
+    assert m.__name__.startswith("amp_patch")
+
+
+def test_apex_submodule_and_its_names_agree(apex_alias):
+    import apex.optimizers.fused_adam as fused_adam
+    import apex.optimizers.fused_lamb as fused_lamb
+    from apex.normalization import fused_layer_norm
+    from apex.optimizers import FusedAdam, FusedLAMB
+
+    assert fused_adam.FusedAdam is FusedAdam and fused_lamb.FusedLAMB is FusedLAMB
+    assert fused_layer_norm.FusedLayerNormAffineFunction is N.FusedLayerNormAffineFunction  # a module, as Apex's
+
+
+@pytest.mark.parametrize("path,instead", sorted(UNSERVED.items()))
+def test_unserved_apex_modules_name_their_replacement_in_every_form(path, instead, apex_alias):
+    for form in (f"import {path}", f"import {path} as m", f"from {path} import something"):
+        with pytest.raises(ImportError, match=instead):
+            exec(form, {})
+    with pytest.raises(ImportError, match=instead):
+        importlib.import_module(path)
+    parent, _, last = path.rpartition(".")
+    if parent:  # from a served package: Python's own message, naming the module
+        with pytest.raises(ImportError, match=f"{last}|{instead}"):
+            exec(f"from {parent} import {last}", {})
+
+
+# ================================================================ the first FusedAdam (fused_adam_cuda)
+
+
+def ref_old_adam(p, g, m, v, *, lr, b1, b2, eps, scale, step, eps_inside, bias_correction, decay):
+    """Apex's fused_adam_cuda kernel (csrc/fused_adam_cuda_kernel.cu), written out."""
+    g = g.double() / scale
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    denom = (v + eps).sqrt() if eps_inside else v.sqrt() + eps
+    size = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step) if bias_correction else lr
+    return p - size * (m / denom + decay * p), m, v
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("bias_correction", [0, 1])
+def test_fused_adam_cuda_adam_is_apex_kernel(mode, bias_correction):
+    p, g = tensors((5, 3), (5, 3))
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    copy = torch.empty(5, 3, dtype=torch.float16)
+    rp, rm, rv = p.double(), m.double(), v.double()
+    for step in (1, 2, 3):
+        gs = g * 128.0 * step
+        fused_adam_cuda.adam(p, copy, m, v, gs.half(), 1e-2, 0.9, 0.999, 1e-8, 128.0, step, mode, bias_correction, 0.01)
+        rp, rm, rv = ref_old_adam(rp, gs.half(), rm, rv, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, scale=128.0, step=step,
+                                  eps_inside=mode == 0, bias_correction=bias_correction, decay=0.01)
+    torch.testing.assert_close(p, rp.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v, rv.float(), rtol=1e-5, atol=1e-12)
+    assert torch.equal(copy, p.half())  # the FP16 copy of the updated weights
+    with pytest.raises(RuntimeError, match="number of elements in m and p"):
+        fused_adam_cuda.adam(p, copy, m[:2], v, g, 1e-3, 0.9, 0.999, 1e-8, 1.0, 1, 1, 1, 0.0)
+
+
+def test_old_fused_adam_keywords_select_the_first_kernel_with_clipping():
+    ps = [nn.Parameter(t) for t in tensors((4, 3), (3,))]
+    opt = FusedAdam(ps, lr=1e-2, bias_correction=False, max_grad_norm=1.0, eps_inside_sqrt=True, weight_decay=0.1)
+    ref = [p.detach().double() for p in ps]
+    moments = [(torch.zeros_like(r), torch.zeros_like(r)) for r in ref]
+    for step in (1, 2):
+        for p, g in zip(ps, tensors((4, 3), (3,), seed=step)):
+            p.grad = g * 3  # a global norm above max_grad_norm: clipped
+        opt.step()
+        norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in ps))
+        clip = (norm + 1e-6) / 1.0
+        for i, p in enumerate(ps):
+            ref[i], *moments[i] = ref_old_adam(ref[i], p.grad, *moments[i], lr=1e-2, b1=0.9, b2=0.999, eps=1e-8,
+                                               scale=clip, step=step, eps_inside=True, bias_correction=False,
+                                               decay=0.1)
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(p.detach(), r.float(), rtol=1e-5, atol=1e-6)
+    assert all(opt.state[p]["step"] == 2 for p in ps)  # one count per parameter, as the first FusedAdam
+    assert opt.param_groups[0]["max_grad_norm"] == 1.0
+
+
+def _half_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).half()
+
+
+@pytest.mark.parametrize("wrapper", ["flat", "contrib"])
+def test_fused_era_fp16_optimizer_matches_its_formula(wrapper):
+    model = _half_model()
+    masters = [p.detach().double() for p in model.parameters()]
+    moments = [(torch.zeros_like(m), torch.zeros_like(m)) for m in masters]
+    if wrapper == "flat":
+        opt = FP16_Optimizer(FusedAdam(model.parameters(), lr=1e-2, bias_correction=False, max_grad_norm=1.0),
+                             dynamic_loss_scale=True)
+    else:
+        opt = ContribFP16_Optimizer(ContribFusedAdam(model.parameters(), lr=1e-2, bias_correction=False,
+                                                     max_grad_norm=1.0), dynamic_loss_scale=True)
+    x, y = tensors((6, 4), (6, 2), dtype=torch.float16)
+    cur_scale, steps, skips = 2.0**16, 0, 0
+    for _ in range(6):
+        opt.zero_grad()
+        opt.backward(F.mse_loss(model(x).float(), y.float()))
+        grads = [p.grad.double() for p in model.parameters()]
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))  # of the scaled FP16 gradients
+        opt.step()
+        if not math.isfinite(norm):  # Apex's dynamic scale: skip the step, halve the scale
+            cur_scale, skips = cur_scale / 2, skips + 1
+            continue
+        steps += 1
+        clip = (norm / cur_scale + 1e-6) / 1.0
+        scale = clip * cur_scale if clip > 1 else cur_scale
+        for i, g in enumerate(grads):
+            masters[i], *moments[i] = ref_old_adam(masters[i], g, *moments[i], lr=1e-2, b1=0.9, b2=0.999, eps=1e-8,
+                                                   scale=scale, step=steps, eps_inside=False, bias_correction=False,
+                                                   decay=0.0)
+    assert steps >= 2
+    for p, m in zip(model.parameters(), masters):
+        assert p.dtype == torch.float16
+        torch.testing.assert_close(p.detach(), m.half(), rtol=2e-3, atol=1e-3)  # the FP16 model follows its masters
+    assert opt.cur_scale == cur_scale and opt.cur_iter == 6
+
+
+def test_fused_era_fp16_optimizer_skips_overflow_and_round_trips_its_state():
+    model = _half_model()
+    opt = FP16_Optimizer(FusedAdam(model.parameters(), lr=1e-2, max_grad_norm=1.0), dynamic_loss_scale=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.backward(model(torch.ones(2, 4, dtype=torch.float16)).float().sum() * 1e30)  # inf gradients
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and opt.cur_scale == 2.0**15
+    opt.zero_grad()
+    opt.backward(model(torch.ones(2, 4, dtype=torch.float16)).float().sum() * 1e-4)
+    assert 0 < opt.clip_master_grads(1e-3) < float("inf")  # clipped to 1e-3 (of the unscaled gradients)
+    opt.step()
+    saved = opt.state_dict()
+    model2 = _half_model()
+    opt2 = FP16_Optimizer(FusedAdam(model2.parameters(), lr=1e-2, max_grad_norm=1.0), dynamic_loss_scale=True)
+    opt2.load_state_dict(saved)
+    assert torch.equal(opt2.fp32_groups_flat[0], opt.fp32_groups_flat[0]) and opt2.cur_scale == opt.cur_scale
+    with pytest.raises(SystemError, match="dynamic loss scale args"):
+        FP16_Optimizer(FusedAdam(_half_model().parameters(), max_grad_norm=1.0), dynamic_loss_scale=True,
+                       dynamic_loss_args={"scale_window": 10})
+
+
+# ================================================================ amp_C's optimizer kernels
+
+
+def ref_adam(p, g, m, v, *, lr, b1, b2, eps, step, mode, bias_correction, decay):
+    """Apex's csrc/multi_tensor_adam.cu, written out."""
+    if mode == 0:
+        g = g + decay * p
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    c1, c2 = (1 - b1 ** step, 1 - b2 ** step) if bias_correction else (1.0, 1.0)
+    update = (m / c1) / ((v / c2).sqrt() + eps)
+    if mode == 1:
+        update = update + decay * p
+    return p - lr * update, m, v
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_multi_tensor_adam_is_apex_kernel(mode):
+    ps = tensors((4, 3), (3,))
+    gs = tensors((4, 3), (3,), seed=1)
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    ref = [(p.double(), torch.zeros_like(p, dtype=torch.float64), torch.zeros_like(p, dtype=torch.float64)) for p in ps]
+    flag = torch.zeros(1, dtype=torch.int)
+    for step in (1, 2):
+        amp_C.multi_tensor_adam(65536, flag, [gs, ps, ms, vs], 1e-2, 0.9, 0.999, 1e-8, step, mode, 1, 0.1)
+        ref = [ref_adam(p, g.double(), m, v, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, step=step, mode=mode,
+                        bias_correction=1, decay=0.1) for (p, m, v), g in zip(ref, gs)]
+    for p, (r, _, _) in zip(ps, ref):
+        torch.testing.assert_close(p, r.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov,wd_after", [(False, False), (True, False), (False, True)])
+def test_multi_tensor_sgd_is_apex_kernel(nesterov, wd_after):
+    ps = tensors((4, 3), (3,))
+    gs = [g.half() for g in tensors((4, 3), (3,), seed=1)]
+    bufs = [torch.zeros_like(p) for p in ps]
+    copies = [torch.empty_like(p, dtype=torch.float16) for p in ps]
+    ref = [p.double() for p in ps]
+    rbufs = [None, None]
+    flag = torch.zeros(1, dtype=torch.int)
+    for first in (True, False):
+        amp_C.multi_tensor_sgd(65536, flag, [gs, ps, bufs, copies], 1e-3, 0.9, 0.0, 0.1, nesterov, first, wd_after,
+                               0.5)
+        for i, g in enumerate(gs):
+            g = g.double() * 0.5
+            if not wd_after:
+                g = g + 1e-3 * ref[i]
+            rbufs[i] = g.clone() if first else 0.9 * rbufs[i] + g
+            g = g + 0.9 * rbufs[i] if nesterov else rbufs[i]
+            if wd_after:
+                g = g + 1e-3 * ref[i]
+            ref[i] = ref[i] - 0.1 * g
+    for p, r, c in zip(ps, ref, copies):
+        torch.testing.assert_close(p, r.float(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(c, p.half())
+    flag.fill_(1)  # an overflow found earlier: Apex's SGD kernel does nothing
+    before = [p.clone() for p in ps]
+    amp_C.multi_tensor_sgd(65536, flag, [gs, ps, bufs], 0.0, 0.9, 0.0, 0.1, False, False, False, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, ps))
+
+
+def test_two_stage_lamb_is_apex_kernels():
+    ps = tensors((4, 3), (3,))
+    gs = tensors((4, 3), (3,), seed=1)
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    ups = [torch.empty_like(p) for p in ps]
+    decay = torch.tensor([0.01, 0.0])
+    norm = torch.tensor([3.0])  # above max_global_grad_norm: the gradients are divided by 3 / 1
+    flag = torch.zeros(1, dtype=torch.int)
+    refs = [p.double() for p in ps]
+    amp_C.multi_tensor_lamb_stage1_cuda(65536, flag, [gs, ps, ms, vs, ups], decay, 0, 0.9, 0.999, 1e-6, norm, 1.0)
+    ref_ups = []
+    for p, g, d in zip(refs, gs, (0.01, 0.0)):
+        g = g.double() / 3.0
+        m, v = 0.1 * g, 0.001 * g * g
+        ref_ups.append((m / (1 - 0.9)) / ((v / (1 - 0.999)).sqrt() + 1e-6) + d * p)  # bias corrections of step 0 + 1
+    for u, r in zip(ups, ref_ups):
+        torch.testing.assert_close(u, r.float(), rtol=1e-5, atol=1e-6)
+    pn = torch.stack([p.norm() for p in ps])
+    un = torch.stack([u.norm() for u in ups])
+    amp_C.multi_tensor_lamb_stage2_cuda(65536, flag, [ps, ups], pn, un, 0.1, 0.01, False)
+    # the trust ratio only for decaying tensors (weight_decay given), lr alone elsewhere... per Apex, decay != 0 applies to all
+    for p, r, u, w, n in zip(ps, refs, ref_ups, pn, un):
+        torch.testing.assert_close(p, (r - 0.1 * float(w / n) * u).float(), rtol=1e-5, atol=1e-6)
+    ps2 = tensors((3,))
+    amp_C.multi_tensor_lamb_stage2_cuda(65536, flag, [ps2, [torch.ones(3)]], pn[1:], un[1:], 0.1, 0.0, False)
+    torch.testing.assert_close(ps2[0], tensors((3,))[0] - 0.1)  # no decay, no nvlamb: plain lr
+
+
+def test_multi_tensor_l2norm_scale_and_apex_c():
+    xs = tensors((4, 3), (5,))
+    outs = [torch.empty_like(x) for x in xs]
+    flag = torch.zeros(1, dtype=torch.int)
+    total, each = amp_C.multi_tensor_l2norm_scale(65536, flag, [xs, outs], 0.5, True)
+    torch.testing.assert_close(total, torch.cat([x.flatten() for x in xs]).norm().reshape(1))
+    torch.testing.assert_close(each, torch.stack([x.norm() for x in xs]))
+    assert all(torch.equal(o, x * 0.5) for o, x in zip(outs, xs)) and flag.item() == 0
+    flat = apex_C.flatten(xs)
+    assert torch.equal(flat, torch.cat([x.flatten() for x in xs]))
+    back = apex_C.unflatten(flat, xs)
+    assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(back, xs))
