@@ -346,3 +346,342 @@ def test_multi_tensor_l2norm_scale_and_apex_c():
     assert torch.equal(flat, torch.cat([x.flatten() for x in xs]))
     back = apex_C.unflatten(flat, xs)
     assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(back, xs))
+
+
+# ================================================================ apex.contrib
+
+
+def test_contrib_clip_grad_norm_is_the_total_norm_clip():
+    ps = [nn.Parameter(t) for t in tensors((4, 3), (3,))]
+    grads = tensors((4, 3), (3,), seed=1)
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    total = clip_grad_norm_(ps, 0.5)
+    ref_total = torch.cat([g.flatten() for g in grads]).norm()
+    torch.testing.assert_close(total, ref_total)
+    coef = 0.5 / (float(ref_total) + 1e-6)
+    for p, g in zip(ps, grads):
+        torch.testing.assert_close(p.grad, g * coef)
+    assert float(clip_grad_norm_([nn.Parameter(torch.ones(2))], 1.0)) == 0.0  # no gradients: 0, as Apex
+
+
+def ref_xentropy(x, labels, smoothing):
+    """Apex's xentropy kernel: (lse - mean(x)) * smoothing - (x[label] - lse) * (1 - smoothing)."""
+    x = x.double()
+    lse = x.logsumexp(1)
+    return (lse - x.mean(1)) * smoothing - (x.gather(1, labels[:, None]).squeeze(1) - lse) * (1 - smoothing)
+
+
+@pytest.mark.parametrize("dtype,half_to_float", [(f32, False), (torch.float16, True), (torch.float16, False)])
+def test_contrib_softmax_xentropy_with_smoothing_and_padding(dtype, half_to_float):
+    (x,) = tensors((5, 7), dtype=dtype)
+    x.requires_grad_(True)
+    labels = torch.tensor([1, 0, 3, 6, 0])
+    losses = SoftmaxCrossEntropyLoss.apply(x, labels, 0.1, 0, half_to_float)
+    assert losses.dtype == f32  # Apex's kernel writes FP32 losses
+    ref = ref_xentropy(x.detach(), labels, 0.1).masked_fill(labels == 0, 0)
+    torch.testing.assert_close(losses.double(), ref, rtol=1e-3 if dtype != f32 else 1e-6, atol=1e-5)
+    losses.sum().backward()
+    xr = x.detach().double().requires_grad_(True)
+    ref_xentropy(xr, labels, 0.1).masked_fill(labels == 0, 0).sum().backward()
+    assert x.grad.dtype == dtype
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-2 if dtype != f32 else 1e-5, atol=1e-3)
+    with pytest.raises(RuntimeError, match="Half type only"):
+        xentropy_cuda.forward(x.detach().float(), labels, 0.0, True)
+
+
+@pytest.mark.parametrize("dtype", [f32, torch.bfloat16])
+def test_contrib_fast_layer_norm_returns_the_weights_dtype(dtype):
+    ln = FastLayerNorm(8, eps=1e-5)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-0.5, 0.5)
+    (x,) = tensors((3, 4, 8), dtype=dtype)
+    x.requires_grad_(True)
+    y = ln(x)
+    assert y.dtype == f32  # the weight's dtype, as Apex's fast_layer_norm kernel
+    ref = F.layer_norm(x.detach().float(), (8,), ln.weight.detach(), ln.bias.detach(), 1e-5)
+    torch.testing.assert_close(y, ref)
+    y.sum().backward()
+    xr = x.detach().float().requires_grad_(True)
+    F.layer_norm(xr, (8,), ln.weight.detach(), ln.bias.detach(), 1e-5).sum().backward()
+    torch.testing.assert_close(x.grad.float(), xr.grad.to(dtype).float())
+    assert ln.weight.grad is not None
+    y2 = FastLayerNormFN.apply(x.detach(), ln.weight.detach(), ln.bias.detach(), 1e-5)
+    torch.testing.assert_close(y2, ref)
+
+
+def test_contrib_group_norm_with_silu_is_torch_group_norm():
+    gn = GroupNorm(2, 4, act="silu")
+    with torch.no_grad():
+        gn.weight.uniform_(0.5, 1.5)
+    (x,) = tensors((2, 4, 3, 3))
+    x = x.to(memory_format=torch.channels_last)
+    torch.testing.assert_close(gn(x), F.silu(F.group_norm(x, 2, gn.weight, gn.bias, 1e-5)))
+    assert gn(x.half()).dtype == torch.float16  # computed in the weight's dtype, returned in the input's
+    with pytest.raises(ValueError, match="divisible"):
+        GroupNorm(3, 4)
+
+
+def test_distributed_fused_adam_in_one_process_is_fused_adam():
+    a = [nn.Parameter(t) for t in tensors((4, 3), (3,))]
+    b = [nn.Parameter(t.detach().clone()) for t in a]
+    da = DistributedFusedAdam(a, lr=1e-2, weight_decay=0.1, bucket_cap_mb=10, overlap_grad_sync=True)
+    fb = FusedAdam(b, lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        for p, q, g in zip(a, b, tensors((4, 3), (3,), seed=step)):
+            p.grad, q.grad = g.clone() * 5, g.clone() * 5
+        norm = da.clip_grad_norm(1.0)
+        torch.nn.utils.clip_grad_norm_(b, 1.0)
+        ref_norm = torch.cat([g.flatten() for g in tensors((4, 3), (3,), seed=step)]).norm() * 5
+        torch.testing.assert_close(norm, ref_norm)
+        da.step()
+        fb.step()
+        da.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        DistributedFusedAdam(a, no_such_option=True)
+
+
+def _dfa_case(rank):
+    ps = [nn.Parameter(t) for t in tensors((4, 3), (3,))]
+    opt = DistributedFusedAdam(ps, lr=1e-2)
+    for p, g in zip(ps, tensors((4, 3), (3,), seed=rank + 1)):
+        p.grad = g
+    opt.step()
+    return [p.detach() for p in ps]
+
+
+def _worker(rank, port, out_dir):
+    serve_cases(rank, port, out_dir, 2, [("dfa", lambda: _dfa_case(rank))], timeout=60)
+
+
+@pytest.mark.slow
+def test_distributed_fused_adam_under_gloo_averages_the_gradients(tmp_path):
+    ranks = run_workers(__file__, 2, tmp_path, timeout=240)
+    r0, r1 = case_results(ranks, "dfa")
+    ps = [nn.Parameter(t) for t in tensors((4, 3), (3,))]
+    ref = FusedAdam(ps, lr=1e-2)
+    for p, g0, g1 in zip(ps, tensors((4, 3), (3,), seed=1), tensors((4, 3), (3,), seed=2)):
+        p.grad = (g0 + g1) / 2
+    ref.step()
+    for a, b, p in zip(r0, r1, ps):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, p.detach())
+
+
+# ================================================================ norms: autograd functions and the extension
+
+
+def _ln_inputs(dtype=f32):
+    x, w, b = tensors((3, 5, 8), (8,), (8,), dtype=dtype)
+    return x.requires_grad_(True), (w + 1).detach().requires_grad_(True), b.requires_grad_(True)
+
+
+@pytest.mark.parametrize("kind", ["layer_affine", "layer", "rms_affine", "rms", "layer_mixed", "rms_mixed"])
+def test_norm_autograd_functions_forward_and_backward(kind):
+    x, w, b = _ln_inputs(torch.bfloat16 if kind.endswith("mixed") else f32)
+    if kind.endswith("mixed"):
+        w, b = (w.detach().float().requires_grad_(True), b.detach().float().requires_grad_(True))
+    fn, args, ref = {
+        "layer_affine": (N.FusedLayerNormAffineFunction, (x, w, b, (8,), 1e-5),
+                         lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-5)),
+        "layer": (N.FusedLayerNormFunction, (x, (8,), 1e-5), lambda x, w, b: F.layer_norm(x, (8,), None, None, 1e-5)),
+        "rms_affine": (N.FusedRMSNormAffineFunction, (x, w, (8,), 1e-5),
+                       lambda x, w, b: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w),
+        "rms": (N.FusedRMSNormFunction, (x, (8,), 1e-5),
+                lambda x, w, b: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)),
+        "layer_mixed": (N.FusedLayerNormAffineMixedDtypesFunction, (x, w, b, (8,), 1e-5),
+                        lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-5)),
+        "rms_mixed": (N.FusedRMSNormAffineMixedDtypesFunction, (x, w, (8,), 1e-5),
+                      lambda x, w, b: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w),
+    }[kind]
+    y = fn.apply(*args)
+    assert y.dtype == (f32 if kind.endswith("mixed") else x.dtype)  # the mixed forms: the weight's dtype
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    yr = ref(*leaves)
+    torch.testing.assert_close(y.double(), yr, rtol=2e-2 if kind.endswith("mixed") else 1e-5, atol=2e-2)
+    g = torch.randn_like(yr)
+    y.backward(g.to(y.dtype))
+    yr.backward(g)
+    for t, r in zip((x, w, b), leaves):
+        if t.grad is not None:
+            torch.testing.assert_close(t.grad.double(), r.grad, rtol=5e-2 if kind.endswith("mixed") else 1e-4,
+                                       atol=5e-2 if kind.endswith("mixed") else 1e-5)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_fused_layer_norm_cuda_forward_and_backward(memory_efficient):
+    x, w, b = (t.detach() for t in _ln_inputs())
+    out, mean, invvar = fused_layer_norm_cuda.forward_affine(x, (8,), w, b, 1e-5)
+    torch.testing.assert_close(out, F.layer_norm(x, (8,), w, b, 1e-5))
+    torch.testing.assert_close(mean, x.reshape(-1, 8).mean(1))
+    torch.testing.assert_close(invvar, torch.rsqrt(x.reshape(-1, 8).var(1, unbiased=False) + 1e-5))
+    dy = torch.randn_like(out)
+    xr, wr, br = (t.double().requires_grad_(True) for t in (x, w, b))
+    F.layer_norm(xr, (8,), wr, br, 1e-5).backward(dy.double())
+    dx, dw, db = fused_layer_norm_cuda.backward_affine(dy, None if memory_efficient else mean, invvar,
+                                                       out if memory_efficient else x, (8,), w, b, 1e-5,
+                                                       memory_efficient)
+    for got, ref in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+    h = x.half()
+    out_h, mean_h, _ = fused_layer_norm_cuda.forward_affine(h, (8,), w, b, 1e-5)
+    assert out_h.dtype == torch.float16 and mean_h.dtype == f32  # statistics in FP32 for half inputs
+    assert fused_layer_norm_cuda.forward_affine_mixed_dtypes(h, (8,), w, b, 1e-5)[0].dtype == f32
+    out_r, inv_r = fused_layer_norm_cuda.rms_forward_affine(x, (8,), w, 1e-5)
+    xr = x.double().requires_grad_(True)
+    (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()).backward(dy.double())
+    dxr, _ = fused_layer_norm_cuda.rms_backward_affine(dy, inv_r, x, (8,), w, 1e-5)
+    torch.testing.assert_close(dxr.double(), xr.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_weight_gradient_accumulates_into_main_grad():
+    x, dy = tensors((6, 4), (6, 3), dtype=torch.bfloat16)
+    main = torch.ones(3, 4)
+    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x, dy, main)
+    torch.testing.assert_close(main, 1 + dy.float().t() @ x.float())
+    with pytest.raises(RuntimeError, match="must be FP32"):
+        fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x, dy, main.half())
+    with pytest.raises(RuntimeError, match="out_dim x in_dim"):
+        fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x, dy, torch.zeros(4, 3))
+
+
+# ================================================================ scaler internals and apex.amp.lists
+
+
+def test_loss_scaler_overflow_buf_update_scale_and_scale_seq_len():
+    model = nn.Linear(3, 2)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", half_dtype=torch.float16,
+                   verbosity=0)
+    try:
+        scaler = amp._amp_state.loss_scalers[0]
+        scaler._scale_seq_len = 2
+        assert scaler._scale_seq_len == 2
+        # Apex's LossScaler.update_scale, by hand: halve on overflow (unskipped back to 0), double after 2 clean
+        ref_scale, unskipped = scaler.loss_scale(), 0
+        for overflow in (False, True, False, False, False):
+            own = torch.tensor([int(overflow)], dtype=torch.int)
+            scaler._overflow_buf = own  # a script's own flag, as BERT's all-reduce step sets it
+            skipped = scaler.update_scale()
+            if overflow:
+                ref_scale, unskipped = ref_scale / 2, 0
+            else:
+                unskipped += 1
+                if unskipped == 2:
+                    ref_scale, unskipped = ref_scale * 2, 0
+            assert skipped is overflow and scaler.loss_scale() == ref_scale and scaler._unskipped == unskipped
+            assert own.item() == 0  # cleared for the next step
+        with pytest.raises(ValueError, match="_scale_seq_len"):
+            scaler._scale_seq_len = 0
+    finally:
+        amp_patch.deinitialize()
+
+
+def _table():
+    return {k: e.policy for k, e in session.current().table.items()}
+
+
+def test_edits_of_apex_lists_are_the_yaml_override(tmp_path):
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    yaml_file = tmp_path / "o.yaml"
+    yaml_file.write_text("torch.nn.functional:\n  half: [softmax]\n  remove: [softplus]\n")
+    amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.float16, lists=str(yaml_file), verbosity=0)
+    try:
+        by_yaml = _table()
+        y_yaml = F.softplus(torch.randn(4)).dtype
+    finally:
+        amp_patch.deinitialize()
+    fo = amp.lists.functional_overrides
+    try:
+        fo.FP32_FUNCS.remove("softmax")   # as Tacotron2 moves an op between Apex's lists
+        fo.FP16_FUNCS.append("softmax")
+        fo.FP32_FUNCS.remove("softplus")  # and takes one off every list
+        assert amp.lists.override() == {"torch.nn.functional": {"half": ["softmax"], "remove": ["softplus"]}}
+        amp.initialize(model, opt, opt_level="O1", half_dtype=torch.float16, verbosity=0)
+        try:
+            assert _table() == by_yaml and by_yaml[("torch.nn.functional", "softmax")] == "half"
+            assert ("torch.nn.functional", "softplus") not in by_yaml
+            assert F.softplus(torch.randn(4)).dtype == y_yaml == f32
+        finally:
+            amp_patch.deinitialize()
+    finally:
+        amp.lists.reset()
+    assert amp.lists.override() is None and "softmax" in fo.FP32_FUNCS
+
+
+# ================================================================ smaller modules
+
+
+def test_apex_mlp_is_linear_layers_each_followed_by_the_activation():
+    mlp = MLP([5, 4, 3])
+    (x,) = tensors((2, 5))
+    ref = F.relu(F.linear(F.relu(F.linear(x, mlp.weight_0, mlp.bias_0)), mlp.weight_1, mlp.bias_1))
+    torch.testing.assert_close(mlp(x), ref)  # the last layer too, as Apex's kernel
+    assert [n for n, _ in mlp.named_parameters()] == ["weight_0", "bias_0", "weight_1", "bias_1"]
+    with pytest.raises(TypeError, match="relu or none"):
+        MLP([2, 2], activation="tanh")
+
+
+def test_fused_dense_layers():
+    dense, ffn = FusedDense(5, 4), FusedDenseGeluDense(5, 6, 3)
+    (x,) = tensors((2, 5))
+    torch.testing.assert_close(dense(x), F.linear(x, dense.weight, dense.bias))
+    ref = F.linear(F.gelu(F.linear(x, ffn.weight1, ffn.bias1)), ffn.weight2, ffn.bias2)
+    torch.testing.assert_close(ffn(x), ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dense(x).dtype == torch.bfloat16
+
+
+def test_reparameterization_weight_norm():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2))
+    (x,) = tensors((3, 4))
+    before = net(x)
+    apply_weight_norm(net)  # every parameter of more than one dimension, as Apex
+    assert net[0].weight_g.shape == (5, 1) and net[1].weight_v.shape == (2, 5)
+    torch.testing.assert_close(net(x), before)
+    remove_weight_norm(net)
+    assert isinstance(net[0].weight, nn.Parameter) and not hasattr(net[0], "weight_g")
+    m = apply_weight_norm(nn.Linear(20, 40), name="weight")
+    assert m.weight_g.size() == (40, 1)
+
+
+# ================================================================ check-script on the issue's cases
+
+
+def test_check_script_follows_chains_extensions_and_keywords():
+    src = (
+        "import importlib\nfrom apex import amp\nimport apex_C\n"
+        "from apex.normalization.fused_layer_norm import FusedLayerNormAffineFunction\n"
+        "from apex.optimizers import FusedAdam\n"
+        "flc = importlib.import_module('fused_layer_norm_cuda')\n"
+        "FusedLayerNormAffineFunction.apply(x, w, b, s, 1e-5)\n"
+        "FusedLayerNormAffineFunction.nope\n"
+        "amp._amp_state.loss_scalers[0]._overflow_buf\n"
+        "amp._amp_state.loss_scalers[0]._nope\n"
+        "amp._amp_state.loss_scalers[0].dynamic = False\n"
+        "opt = FusedAdam(ps, max_grad_norm=1.0, eps_inside_sqrt=True, not_a_keyword=1)\n"
+        "opt.step(grads=g, scale=128.0)\n"
+        "apex_C.flatten(ts)\nflc.forward_affine(x, s, w, b, 1e-5)\n"
+        "importlib.import_module('apex.contrib.fmha')\n"
+    )
+    uses = {u.name: u for u in scan.scan(src)}
+    served = {n for n, u in uses.items() if u.served_by}
+    assert {"apex.normalization.fused_layer_norm.FusedLayerNormAffineFunction.apply()",
+            "apex.amp._amp_state.loss_scalers[]._overflow_buf", "apex.optimizers.FusedAdam(max_grad_norm=)",
+            "apex.optimizers.FusedAdam(eps_inside_sqrt=)", "apex.optimizers.FusedAdam().step(grads=)",
+            "apex.optimizers.FusedAdam().step(scale=)", "apex_C.flatten()",
+            "fused_layer_norm_cuda.forward_affine()"} <= served
+    not_served = {n: u.hint for n, u in uses.items() if not u.served_by}
+    assert set(not_served) == {"apex.normalization.fused_layer_norm.FusedLayerNormAffineFunction.nope",
+                               "apex.amp._amp_state.loss_scalers[]._nope",
+                               "apex.amp._amp_state.loss_scalers[].dynamic =",
+                               "apex.optimizers.FusedAdam(not_a_keyword=)", "apex.contrib.fmha"}
+    assert "read-only" in not_served["apex.amp._amp_state.loss_scalers[].dynamic ="]
+    assert "scaled_dot_product_attention" in not_served["apex.contrib.fmha"]
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -53,19 +53,22 @@ class FusedDenseGeluDenseFunc:
 
 
 def _fused_dense(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    args = _autocast(input, weight, bias)
     with torch.autocast(input.device.type, enabled=False):
-        return FusedDenseFunc.apply(*_autocast(input, weight, bias))
+        return FusedDenseFunc.apply(*args)
 
 
 def _dense_no_bias(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    args = _autocast(input, weight)
     with torch.autocast(input.device.type, enabled=False):
-        return DenseNoBiasFunc.apply(*_autocast(input, weight))
+        return DenseNoBiasFunc.apply(*args)
 
 
 def _fused_dense_gelu_dense(input: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor, weight2: torch.Tensor,
                             bias2: torch.Tensor) -> torch.Tensor:
+    args = _autocast(input, weight1, bias1, weight2, bias2)
     with torch.autocast(input.device.type, enabled=False):
-        return FusedDenseGeluDenseFunc.apply(*_autocast(input, weight1, bias1, weight2, bias2))
+        return FusedDenseGeluDenseFunc.apply(*args)
 
 
 class FusedDense(nn.Module):

@@ -8,6 +8,7 @@ from typing import List, Tuple
 
 import torch
 from torch import nn
+from torch.nn.utils.weight_norm import WeightNorm
 
 __all__ = ["apply_weight_norm", "remove_weight_norm"]
 
@@ -48,7 +49,7 @@ def remove_weight_norm(module: nn.Module, name: str = "", remove_all: bool = Fal
     """
     for sub in module.modules():
         for hook in list(sub._forward_pre_hooks.values()):
-            if isinstance(hook, torch.nn.utils.weight_norm.WeightNorm) and (
+            if isinstance(hook, WeightNorm) and (
                     not name or name.rpartition(".")[2] == hook.name):
                 torch.nn.utils.remove_weight_norm(sub, hook.name)
     return module
