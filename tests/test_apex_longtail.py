@@ -326,12 +326,12 @@ def test_two_stage_lamb_is_apex_kernels():
     pn = torch.stack([p.norm() for p in ps])
     un = torch.stack([u.norm() for u in ups])
     amp_C.multi_tensor_lamb_stage2_cuda(65536, flag, [ps, ups], pn, un, 0.1, 0.01, False)
-    # the trust ratio only for decaying tensors (weight_decay given), lr alone elsewhere... per Apex, decay != 0 applies to all
+    # weight_decay != 0: every tensor takes lr * ||p|| / ||update||, as Apex's stage 2
     for p, r, u, w, n in zip(ps, refs, ref_ups, pn, un):
         torch.testing.assert_close(p, (r - 0.1 * float(w / n) * u).float(), rtol=1e-5, atol=1e-6)
     ps2 = tensors((3,))
     amp_C.multi_tensor_lamb_stage2_cuda(65536, flag, [ps2, [torch.ones(3)]], pn[1:], un[1:], 0.1, 0.0, False)
-    torch.testing.assert_close(ps2[0], tensors((3,))[0] - 0.1)  # no decay, no nvlamb: plain lr
+    torch.testing.assert_close(ps2[0], tensors((3,))[0] - 0.1)  # no decay, no nvlamb: the plain lr
 
 
 def test_multi_tensor_l2norm_scale_and_apex_c():
