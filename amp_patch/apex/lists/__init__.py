@@ -13,18 +13,35 @@ so an edit changes the run's policy exactly as the same YAML override would.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import importlib
+import sys
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from . import functional_overrides, tensor_overrides, torch_overrides
 from ._views import ATTRS
 
 __all__ = ["functional_overrides", "torch_overrides", "tensor_overrides", "override", "reset"]
 
+#: each namespace's module; made on first use (``amp.lists.functional_overrides``),
+#: so ``import amp_patch`` does not build lists that no script edits
 _MODULES = {
-    "torch.nn.functional": functional_overrides,
-    "torch": torch_overrides,
-    "torch.Tensor": tensor_overrides,
+    "torch.nn.functional": "functional_overrides",
+    "torch": "torch_overrides",
+    "torch.Tensor": "tensor_overrides",
 }
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES.values():
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _loaded() -> Iterator[Tuple[str, Any]]:
+    """``(namespace, module)`` of the list modules made so far: only those can hold edits."""
+    for namespace, sub in _MODULES.items():
+        module = sys.modules.get(f"{__name__}.{sub}")
+        if module is not None:
+            yield namespace, module
 
 
 def _names(values: Any) -> List[str]:
@@ -43,7 +60,7 @@ def override() -> Optional[Dict[str, Dict[str, List[str]]]]:
         amp.lists.override()   # {"torch.nn.functional": {"half": ["softmax"]}}
     """
     out: Dict[str, Dict[str, List[str]]] = {}
-    for namespace, module in _MODULES.items():
+    for namespace, module in _loaded():
         now = {policy: _names(getattr(module, attr)) for attr, policy in ATTRS.items()}
         before = {policy: _names(names) for policy, names in module.BASELINE.items()}
         edits: Dict[str, List[str]] = {}
@@ -68,6 +85,6 @@ def reset() -> None:
 
         amp.lists.reset()   # undo a script's edits before the next amp.initialize
     """
-    for module in _MODULES.values():
+    for _, module in _loaded():
         for attr, policy in ATTRS.items():
             getattr(module, attr)[:] = module.BASELINE[policy]
