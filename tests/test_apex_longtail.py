@@ -245,6 +245,31 @@ def test_fused_era_fp16_optimizer_skips_overflow_and_round_trips_its_state():
                        dynamic_loss_args={"scale_window": 10})
 
 
+def test_contrib_fused_sgd_under_its_fp16_optimizer_is_momentum_sgd_of_the_masters():
+    from amp_patch.apex.contrib.optimizers import FusedSGD as ContribFusedSGD
+
+    model = _half_model()
+    masters = [p.detach().double() for p in model.parameters()]
+    bufs = [None] * len(masters)
+    opt = ContribFP16_Optimizer(ContribFusedSGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
+                                static_loss_scale=128.0)
+    x, y = tensors((6, 4), (6, 2), dtype=torch.float16)
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(F.mse_loss(model(x).float(), y.float()))
+        grads = [p.grad.double() / 128.0 for p in model.parameters()]
+        opt.step()
+        for i, g in enumerate(grads):  # Apex's SGD kernel: decay, then momentum (the first run copies)
+            g = g + 1e-3 * masters[i]
+            bufs[i] = g.clone() if bufs[i] is None else 0.9 * bufs[i] + g
+            masters[i] = masters[i] - 0.1 * bufs[i]
+    for p, m, fp32 in zip(model.parameters(), masters, opt.fp32_groups[0]):
+        torch.testing.assert_close(fp32.double(), m, rtol=1e-5, atol=1e-6)
+        assert torch.equal(p.detach(), fp32.half())
+    with pytest.raises(RuntimeError, match="must be wrapped"):
+        ContribFusedSGD(_half_model().parameters(), lr=0.1).step()
+
+
 # ================================================================ amp_C's optimizer kernels
 
 
