@@ -359,6 +359,50 @@ def test_two_stage_lamb_is_apex_kernels():
     torch.testing.assert_close(ps2[0], tensors((3,))[0] - 0.1)  # no decay, no nvlamb: the plain lr
 
 
+@pytest.mark.parametrize("master", [False, True])
+def test_multi_tensor_adam_capturable_unscales_and_skips_on_the_flag(master):
+    ps = tensors((4, 3), (3,))
+    gs = tensors((4, 3), (3,), seed=1)
+    scaled = [g * 1024 for g in gs]
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    half = [p.half() for p in ps]
+    lists = [scaled, half, ms, vs, ps] if master else [scaled, ps, ms, vs]
+    ref = [ref_adam(p.double(), g.double(), torch.zeros_like(p, dtype=torch.float64),
+                    torch.zeros_like(p, dtype=torch.float64), lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, step=1, mode=1,
+                    bias_correction=1, decay=0.01)[0] for p, g in zip(ps, gs)]
+    kernel = amp_C.multi_tensor_adam_capturable_master if master else amp_C.multi_tensor_adam_capturable
+    flag = torch.ones(1, dtype=torch.int)  # an overflow: nothing moves
+    kernel(65536, flag, lists, torch.tensor(1e-2), 0.9, 0.999, 1e-8, torch.tensor([1]), 1, 1, 0.01,
+           torch.tensor(1 / 1024))
+    assert all(torch.equal(a, b) for a, b in zip(ps, tensors((4, 3), (3,))))
+    flag.zero_()
+    kernel(65536, flag, lists, torch.tensor(1e-2), 0.9, 0.999, 1e-8, torch.tensor([1]), 1, 1, 0.01,
+           torch.tensor(1 / 1024))
+    for p, r, s_, g in zip(ps, ref, scaled, gs):
+        torch.testing.assert_close(p, r.float(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s_, g)  # the gradients left unscaled, as Apex's kernel leaves them
+    if master:
+        assert all(torch.equal(h, p.half()) for h, p in zip(half, ps))
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_multi_tensor_adagrad_is_apex_kernel(mode):
+    ps = tensors((4, 3), (3,))
+    gs = tensors((4, 3), (3,), seed=1)
+    hs = [torch.zeros_like(p) for p in ps]
+    ref = [(p.double(), torch.zeros_like(p, dtype=torch.float64)) for p in ps]
+    for _ in range(2):
+        amp_C.multi_tensor_adagrad(65536, torch.zeros(1, dtype=torch.int), [gs, ps, hs], 1e-2, 1e-10, mode, 0.1)
+        new = []
+        for (p, h), g in zip(ref, gs):
+            g = g.double() + (0.1 * p if mode == 0 else 0)
+            h = h + g * g
+            new.append((p - 1e-2 * (g / (h.sqrt() + 1e-10) + (0.1 * p if mode == 1 else 0)), h))
+        ref = new
+    for p, (r, _) in zip(ps, ref):
+        torch.testing.assert_close(p, r.float(), rtol=1e-5, atol=1e-6)
+
+
 def test_multi_tensor_l2norm_scale_and_apex_c():
     xs = tensors((4, 3), (5,))
     outs = [torch.empty_like(x) for x in xs]

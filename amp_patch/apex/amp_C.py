@@ -29,7 +29,8 @@ f32 = torch.float32
 
 __all__ = ["multi_tensor_l2norm", "multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_unscale_l2norm",
            "multi_tensor_l2norm_mp", "multi_tensor_l2norm_scale", "multi_tensor_adam", "multi_tensor_sgd",
-           "multi_tensor_lamb", "multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda"]
+           "multi_tensor_lamb", "multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda",
+           "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master", "multi_tensor_adagrad"]
 
 
 def _raise_flag(noop_flag: Tensor, bad: Tensor) -> None:
@@ -228,6 +229,88 @@ def multi_tensor_adam(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence
     _copy_back(ps + ms + vs, work + work_m + work_v)
 
 
+def multi_tensor_adam_capturable(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
+                                 lr: Tensor, beta1: float, beta2: float, epsilon: float, step: Tensor, mode: int,
+                                 bias_correction: int, weight_decay: float, inv_scale: Tensor) -> None:
+    """Apex's capturable Adam kernel: ``multi_tensor_adam`` with ``lr`` and
+    ``step`` as tensors, the gradients first multiplied by ``inv_scale`` (and
+    written back unscaled, as Apex's kernel does), and nothing done when
+    ``noop_flag`` is set (an overflow found before).
+
+    Example::
+
+        amp_C.multi_tensor_adam_capturable(65536, found_inf, [grads, params, ms, vs], lr_t, 0.9, 0.999,
+                                           1e-8, step_t, 1, 1, 0.01, 1 / scale_t)
+    """
+    _adam_capturable(noop_flag, tensor_lists, None, lr, beta1, beta2, epsilon, step, mode, bias_correction,
+                     weight_decay, inv_scale)
+
+
+def multi_tensor_adam_capturable_master(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
+                                        lr: Tensor, beta1: float, beta2: float, epsilon: float, step: Tensor,
+                                        mode: int, bias_correction: int, weight_decay: float,
+                                        inv_scale: Tensor) -> None:
+    """``multi_tensor_adam_capturable`` over ``[grads, params, ms, vs, masters]``:
+    the FP32 ``masters`` are updated and the (half) ``params`` receive them.
+
+    Example::
+
+        amp_C.multi_tensor_adam_capturable_master(65536, found_inf, [grads, params, ms, vs, masters], lr_t,
+                                                  0.9, 0.999, 1e-8, step_t, 1, 1, 0.01, 1 / scale_t)
+    """
+    _adam_capturable(noop_flag, tensor_lists[:4], list(tensor_lists[4]), lr, beta1, beta2, epsilon, step, mode,
+                     bias_correction, weight_decay, inv_scale)
+
+
+def _adam_capturable(noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], masters: Optional[List[Tensor]],
+                     lr: Tensor, beta1: float, beta2: float, epsilon: float, step: Tensor, mode: int,
+                     bias_correction: int, weight_decay: float, inv_scale: Tensor) -> None:
+    gs, ps, ms, vs = (list(t) for t in tensor_lists)
+    if not ps or _step_noop(noop_flag):
+        return
+    grads = torch._foreach_mul([g.to(f32) for g in gs], inv_scale.to(f32).reshape(()))
+    torch._foreach_copy_(gs, grads)  # Apex's kernel leaves the unscaled gradients behind
+    t = float(step.reshape(-1)[0])
+    bc1, bc2 = (1 - beta1 ** t, 1 - beta2 ** t) if bias_correction == 1 else (1.0, 1.0)
+    targets = masters if masters is not None else ps
+    work, work_m, work_v = _fp32(targets), _fp32(ms), _fp32(vs)
+    update = _adam_direction(work, grads, work_m, work_v, beta1=beta1, beta2=beta2, beta3=1 - beta1, eps=epsilon,
+                             bias_correction1=bc1, bias_correction2=bc2, weight_decay=weight_decay,
+                             adam_w_mode=mode == 1)
+    torch._foreach_mul_(update, lr.to(f32).reshape(()))
+    torch._foreach_sub_(work, update)
+    _copy_back(targets + ms + vs, work + work_m + work_v)
+    if masters is not None:
+        torch._foreach_copy_(ps, work)
+
+
+def multi_tensor_adagrad(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], lr: float,
+                         epsilon: float, mode: int, weight_decay: float) -> None:
+    """Apex's Adagrad kernel over ``[grads, params, sums]``, in place: ``mode`` 0
+    adds ``weight_decay * p`` to the gradient, 1 to the step;
+    ``sum += g * g``; ``p -= lr * (g / (sqrt(sum) + eps) [+ weight_decay * p])``.
+
+    Example::
+
+        amp_C.multi_tensor_adagrad(65536, flag, [grads, params, sums], 1e-2, 1e-10, 0, 1e-4)
+    """
+    gs, ps, hs = (list(t) for t in tensor_lists)
+    if not ps:
+        return
+    work, work_h = _fp32(ps), _fp32(hs)
+    g = [x.to(f32) for x in gs]
+    if mode == 0 and weight_decay != 0:
+        g = torch._foreach_add(g, work, alpha=weight_decay)
+    torch._foreach_addcmul_(work_h, g, g)
+    denom = torch._foreach_sqrt(work_h)
+    torch._foreach_add_(denom, epsilon)
+    update = torch._foreach_div(g, denom)
+    if mode == 1 and weight_decay != 0:
+        torch._foreach_add_(update, work, alpha=weight_decay)
+    torch._foreach_add_(work, update, alpha=-lr)
+    _copy_back(ps + hs, work + work_h)
+
+
 def multi_tensor_sgd(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], wd: float,
                      momentum: float, dampening: float, lr: float, nesterov: bool, first_run: bool,
                      wd_after_momentum: bool, scale: float) -> None:
@@ -377,9 +460,6 @@ def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: Tensor, tensor_lis
 
 #: Apex kernels this module does not provide -> what to use instead
 _INSTEAD = {
-    "multi_tensor_adam_capturable": "apex.optimizers.FusedAdam(capturable=True), or torch.optim.AdamW(fused=True)",
-    "multi_tensor_adam_capturable_master": "apex.optimizers.FusedAdam(capturable=True, master_weights=True)",
-    "multi_tensor_adagrad": "apex.optimizers.FusedAdagrad, or torch.optim.Adagrad(foreach=True)",
     "multi_tensor_lamb_mp": "apex.optimizers.FusedMixedPrecisionLamb (amp_patch.apex.optimizers)",
     "multi_tensor_novograd": "apex.optimizers.FusedNovoGrad (amp_patch.apex.optimizers)",
 }
