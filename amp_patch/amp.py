@@ -187,7 +187,8 @@ def initialize(
 
 def _edited_lists(opt_level: Any, patch_torch_functions: Any) -> Any:
     """The op-list override the script's edits of ``amp.lists`` amount to, for
-    a level that patches functions (elsewhere Apex's lists did nothing either)."""
+    a level that patches functions (elsewhere Apex's lists did nothing either),
+    after the launcher's own lists when it runs the script."""
     edits = _lists_module.override()
     if edits is None:
         return None
@@ -196,7 +197,14 @@ def _edited_lists(opt_level: Any, patch_torch_functions: Any) -> Any:
         patches = _properties.resolve(opt_level, "cpu", **extra).patch_torch_functions
     except ConfigError:
         return None  # the call itself reports the bad opt level
-    return edits if patches else None
+    if not patches:
+        return None
+    # under the launcher, its own op lists stay, and the script's edits come after them
+    running = session.current()
+    given = running.provisional.lists if running is not None and running.provisional is not None else None
+    if given is None:
+        return edits
+    return (list(given) if isinstance(given, (list, tuple)) else [given]) + [edits]
 
 
 def scale_loss(

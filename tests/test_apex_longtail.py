@@ -680,6 +680,27 @@ def test_edits_of_apex_lists_are_the_yaml_override(tmp_path):
     assert amp.lists.override() is None and "softmax" in fo.FP32_FUNCS
 
 
+def test_edits_of_apex_lists_come_after_the_launchers_lists(tmp_path):
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    launcher_lists = tmp_path / "launcher.yaml"
+    launcher_lists.write_text("torch.nn.functional:\n  half: [softplus]\n")
+    amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.float16, lists=str(launcher_lists),
+                         verbosity=0)
+    session.current().provisional = session.Provisional(torch.float16, str(launcher_lists), None)  # as the launcher
+    fo = amp.lists.functional_overrides
+    try:
+        fo.FP32_FUNCS.remove("softmax")
+        fo.FP16_FUNCS.append("softmax")
+        amp.initialize(model, opt, opt_level="O1", verbosity=0)  # the script's own call replaces the launcher's
+        table = _table()
+        assert table[("torch.nn.functional", "softplus")] == "half"  # the launcher's list kept
+        assert table[("torch.nn.functional", "softmax")] == "half"  # and the script's edit on top
+    finally:
+        amp.lists.reset()
+        amp_patch.deinitialize()
+
+
 # ================================================================ smaller modules
 
 
