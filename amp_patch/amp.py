@@ -27,9 +27,12 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from . import frontend as _frontend
+from . import properties as _properties
 from . import scaling, session
+from .errors import ConfigError
 from .apex import amp_state as _amp_state_module
 from .apex import handle as _handle_module
+from .apex import lists as _lists_module
 from .apex import scaler as _scaler_module
 from .apex.amp_state import _amp_state
 from .apex.handle import init
@@ -52,6 +55,7 @@ SUBMODULES = {
     "frontend": sys.modules[__name__],
     "handle": _handle_module,
     "scaler": _scaler_module,
+    "lists": _lists_module,
     "amp": sys.modules[__name__],
 }
 
@@ -71,6 +75,12 @@ __all__ = [
     "init",
     "_amp_state",
 ]
+
+#: Apex's ``apex.amp`` is a package: scripts read its ``__path__`` (DeepSpeed logs
+#: it), and an import of one of its submodules amp_patch does not serve
+#: (``apex.amp.opt``) reaches the apex alias, which names the replacement.
+#: Its submodules are served by ``SUBMODULES``, never from a directory.
+__path__: list = []
 
 # None until initialize is called; False after initialize(enabled=False),
 # which turns scale_loss, state_dict and load_state_dict into pass-throughs.
@@ -168,11 +178,33 @@ def initialize(
         overrides["allow_half_params"] = True
     _amp_state.verbosity = verbosity
     out = _frontend.enter(
-        models, optimizers, opt_level, half_dtype, None, verbosity,
+        models, optimizers, opt_level, half_dtype, _edited_lists(opt_level, patch_torch_functions), verbosity,
         dict(num_losses=num_losses, max_loss_scale=max_loss_scale, **overrides), apex_rules=True,
     )
     _enabled = True
     return out
+
+
+def _edited_lists(opt_level: Any, patch_torch_functions: Any) -> Any:
+    """The op-list override the script's edits of ``amp.lists`` amount to, for
+    a level that patches functions (elsewhere Apex's lists did nothing either),
+    after the launcher's own lists when it runs the script."""
+    edits = _lists_module.override()
+    if edits is None:
+        return None
+    try:
+        extra = {} if patch_torch_functions is None else {"patch_torch_functions": patch_torch_functions}
+        patches = _properties.resolve(opt_level, "cpu", **extra).patch_torch_functions
+    except ConfigError:
+        return None  # the call itself reports the bad opt level
+    if not patches:
+        return None
+    # under the launcher, its own op lists stay, and the script's edits come after them
+    running = session.current()
+    given = running.provisional.lists if running is not None and running.provisional is not None else None
+    if given is None:
+        return edits
+    return (list(given) if isinstance(given, (list, tuple)) else [given]) + [edits]
 
 
 def scale_loss(

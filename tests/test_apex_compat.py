@@ -260,10 +260,10 @@ def test_alias_serves_apex_amp_when_apex_is_absent(clean_apex):
 
 def test_alias_names_the_replacement_of_apex_modules_it_does_not_serve(clean_apex):
     amp_patch.install_apex_alias()
-    with pytest.raises(ModuleNotFoundError, match=r"apex.contrib.*scaled_dot_product_attention"):
-        import apex.contrib  # noqa: F401
-    with pytest.raises(ImportError, match=r"apex.mlp.*nn.Linear"):
-        from apex.mlp import MLP  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match=r"apex.contrib.fmha.*scaled_dot_product_attention"):
+        import apex.contrib.fmha  # noqa: F401
+    with pytest.raises(ImportError, match=r"apex.RNN.*nn.LSTM"):
+        from apex.RNN import LSTM  # noqa: F401
     import apex
 
     with pytest.raises(AttributeError, match=r"transformer.*tensor.parallel"):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_patch.apex import normalization as N
+from amp_patch.apex.normalization import fused_layer_norm as N
 from helpers import amp
 
 HALF = [torch.float16, torch.bfloat16]

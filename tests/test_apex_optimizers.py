@@ -518,8 +518,8 @@ def test_bad_arguments_raise_what_apex_raises():
         FusedSGD(ps, lr=0.1, nesterov=True)
     with pytest.raises(ValueError, match="required optimization parameter lr"):
         FusedSGD(ps)
-    with pytest.raises(RuntimeError, match="FusedAdam has been updated"):
-        FusedAdam(ps).step(scale=128.0)
+    with pytest.raises(RuntimeError, match="capturable=True.*Apex's first FusedAdam"):
+        FusedAdam(ps, capturable=True).step(scale=128.0)  # the old step form is the first FusedAdam's
     emb = nn.Embedding(5, 3, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="FusedAdam does not support sparse gradients, please consider SparseAdam"):
@@ -659,11 +659,11 @@ def test_multi_tensor_axpby_checks_the_arguments_apex_checks(arg_to_check, flagg
 
 
 def test_missing_amp_c_kernels_name_the_replacement():
-    with pytest.raises(AttributeError, match="FusedAdam"):
-        amp_C.multi_tensor_adam
+    with pytest.raises(AttributeError, match="FusedNovoGrad"):
+        amp_C.multi_tensor_novograd
     with pytest.raises(AttributeError, match="torch._foreach_"):
         amp_C.multi_tensor_something_else
-    assert not hasattr(amp_C, "multi_tensor_lamb")
+    assert not hasattr(amp_C, "multi_tensor_lamb_mp")
 
 
 @pytest.mark.cuda

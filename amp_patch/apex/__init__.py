@@ -9,8 +9,15 @@ can be imported:
 * ``apex.optimizers``      -> ``amp_patch.apex.optimizers``
 * ``apex.normalization``   -> ``amp_patch.apex.normalization``
 * ``apex.multi_tensor_apply`` -> ``amp_patch.apex.multi_tensor_apply``
-* ``amp_C``                -> ``amp_patch.apex.amp_C``
+* ``apex.contrib``         -> ``amp_patch.apex.contrib`` (clip_grad, xentropy,
+  layer_norm, optimizers, group_norm)
+* ``apex.mlp``, ``apex.fused_dense``, ``apex.reparameterization``
+* ``amp_C``, ``apex_C``, ``fused_adam_cuda``, ``fused_layer_norm_cuda``,
+  ``fused_weight_gradient_mlp_cuda``, ``xentropy_cuda`` (Apex's compiled
+  extensions) -> the modules of the same name here
 
-``apex.amp`` itself is ``amp_patch.amp``. Each stand-in keeps Apex's names,
-constructor arguments and semantics, computed with torch's own kernels.
+Each package has Apex's submodules, so every module path Apex had imports.
+``apex.amp`` itself is ``amp_patch.amp`` (its ``lists`` are ``amp_patch.apex.lists``).
+Each stand-in keeps Apex's names, constructor arguments and semantics,
+computed with torch's own kernels.
 """

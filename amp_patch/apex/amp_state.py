@@ -15,6 +15,7 @@ As in Apex, ``opt_properties``, ``loss_scalers`` and ``handle`` are absent
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, ContextManager, Iterator, List
 
 import torch
@@ -38,13 +39,18 @@ def _running(what: str) -> Any:
     return amp
 
 
+#: each running loss scaler's Apex ``_overflow_buf``, made on first use
+_OVERFLOW_BUFS: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
 class ScalerView:
     """Apex's ``amp.scaler.LossScaler`` surface over one of amp_patch's loss scalers.
 
     ``loss_scale()``, ``_loss_scale`` (readable and writable), ``_unskipped``
     (clean steps since the last change), ``dynamic``, ``_min_loss_scale``,
-    ``_max_loss_scale`` and ``_scale_seq_len`` (the growth interval) read and
-    write the running scaler of loss ``index``.
+    ``_max_loss_scale``, ``_scale_seq_len`` (the growth interval, writable),
+    ``_overflow_buf``, ``_has_overflow`` and ``update_scale()`` read and write
+    the running scaler of loss ``index``.
 
     Example::
 
@@ -105,6 +111,57 @@ class ScalerView:
     @property
     def _scale_seq_len(self) -> int:
         return self._scaler().growth_interval
+
+    @_scale_seq_len.setter
+    def _scale_seq_len(self, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"_scale_seq_len={value!r}: the growth interval must be an int >= 1")
+        self._scaler().growth_interval = value
+
+    @property
+    def _overflow_buf(self) -> torch.Tensor:
+        """Apex's overflow flag, a one-element int tensor that multi-tensor
+        kernels set (``multi_tensor_applier(amp_C.multi_tensor_scale,
+        scaler._overflow_buf, ...)``); ``update_scale()`` reads it. Scripts may
+        replace it with their own, as Apex allowed."""
+        scaler = self._scaler()
+        buf = _OVERFLOW_BUFS.get(scaler)
+        if buf is None:
+            buf = _OVERFLOW_BUFS[scaler] = torch.zeros(1, dtype=torch.int)
+        return buf
+
+    @_overflow_buf.setter
+    def _overflow_buf(self, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise TypeError(f"_overflow_buf must be a one-element tensor (an int flag), not {value!r}")
+        _OVERFLOW_BUFS[self._scaler()] = value
+
+    @property
+    def _has_overflow(self) -> bool:
+        """Whether ``_overflow_buf`` holds an overflow (asks the device)."""
+        return bool(self._overflow_buf.reshape(-1)[0].item() != 0)
+
+    def update_scale(self) -> bool:
+        """Apex's ``LossScaler.update_scale()``: read ``_overflow_buf``, then move
+        the running scale as Apex did (an overflow halves a dynamic scale, to no
+        less than its floor, and restarts the count; ``_scale_seq_len`` clean
+        updates double it, to no more than its ceiling), and clear the flag.
+
+        Returns:
+            True when the step must be skipped (a dynamic scaler saw an overflow).
+
+        Example::
+
+            scaler = amp._amp_state.loss_scalers[0]
+            scaler._overflow_buf = overflow_buf       # set by amp_C.multi_tensor_scale
+            if not scaler.update_scale():
+                optimizer.step()
+        """
+        scaler = self._scaler()
+        overflow = self._has_overflow
+        scaler.update(overflow)
+        self._overflow_buf.zero_()
+        return overflow and scaler.dynamic
 
     def __repr__(self) -> str:
         try:

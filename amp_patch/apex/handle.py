@@ -24,6 +24,7 @@ from .. import frontend, oplists, session
 from ..errors import ConfigError, StateError
 from ..scaling import scale_loss as _scale_loss
 from ..scaling import state as scaling_state
+from . import lists as apex_lists
 from .amp_state import Handle, _amp_state
 
 __all__ = ["AmpHandle", "NoOpHandle", "OptimWrapper", "init"]
@@ -75,7 +76,9 @@ def init(
     if not enabled:
         return NoOpHandle()
     overrides = {} if loss_scale == "dynamic" else {"loss_scale": loss_scale}
-    lists = _banned_as_float() if allow_banned else None
+    # the script's edits of Apex's lists (amp.lists), then allow_banned's override
+    given = [o for o in (apex_lists.override(), _banned_as_float() if allow_banned else None) if o is not None]
+    lists = given or None
     frontend.enter(None, None, "O1", half_dtype, lists, 2 if verbose else _amp_state.verbosity, overrides, apex_rules=True)
     return AmpHandle(session.current())
 

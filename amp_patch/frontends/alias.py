@@ -2,8 +2,8 @@
 
 Current Apex releases deleted ``apex.amp``, ``apex.parallel`` and
 ``apex.fp16_utils``, and ship ``apex.optimizers``, ``apex.normalization`` and
-``amp_C`` only as CUDA extensions that many installs cannot build. Scripts
-still import them. ``install_apex_alias()`` makes those imports work
+``amp_C`` (and ``apex_C``, ``fused_adam_cuda``, ...) only as CUDA extensions
+that many installs cannot build. Scripts still import them. ``install_apex_alias()`` makes those imports work
 unchanged; a real module of the same name, where one can be imported, is
 always left in charge.
 
@@ -13,8 +13,8 @@ Two cases:
   modules are the stand-ins in ``STANDINS`` (``apex.amp`` is
   ``amp_patch.amp``, ``apex.parallel`` is ``amp_patch.apex.parallel``, ...),
   each only when a script imports it. Importing an Apex module amp_patch
-  does not serve (``apex.contrib``, ...) fails with a message naming the
-  torch replacement.
+  does not serve (``apex.transformer``, ``apex.contrib.fmha``, ...) fails
+  with a message naming the torch replacement (``REPLACEMENTS``).
 * an ``apex`` without ``amp`` (newer Apex, kept for its fused kernels): the
   stand-ins are served only for the modules that Apex lacks; the rest of the
   real package is untouched.
@@ -35,9 +35,12 @@ from .. import amp
 
 log = logging.getLogger("amp_patch")
 
-#: Apex's modules (and Apex's compiled ``amp_C``) that amp_patch serves, and the
-#: module that stands in for each; a submodule (``apex.parallel.LARC``) is the
-#: stand-in's submodule of the same name
+#: Apex's packages (and Apex's compiled extensions, which are top-level
+#: modules) that amp_patch serves, and the module that stands in for each. A
+#: submodule is the stand-in's submodule of the same name, so every module
+#: path Apex had (``apex.optimizers.fused_adam``, ``apex.parallel.LARC``, ...)
+#: imports in every form: ``import a.b.c as x``, ``from a.b import c``,
+#: ``importlib.import_module``.
 STANDINS = {
     "apex.amp": "amp_patch.amp",
     "apex.parallel": "amp_patch.apex.parallel",
@@ -45,27 +48,62 @@ STANDINS = {
     "apex.optimizers": "amp_patch.apex.optimizers",
     "apex.normalization": "amp_patch.apex.normalization",
     "apex.multi_tensor_apply": "amp_patch.apex.multi_tensor_apply",
+    "apex.contrib": "amp_patch.apex.contrib",
+    "apex.mlp": "amp_patch.apex.mlp",
+    "apex.fused_dense": "amp_patch.apex.fused_dense",
+    "apex.reparameterization": "amp_patch.apex.reparameterization",
+    # Apex's compiled extensions that scripts import themselves
     "amp_C": "amp_patch.apex.amp_C",
-    # Apex's own submodules of these, which scripts import by their full path
-    # (`from apex.normalization.fused_layer_norm import FusedLayerNorm`)
-    **{f"apex.optimizers.{m}": "amp_patch.apex.optimizers" for m in (
-        "fused_adam", "fused_adagrad", "fused_sgd", "fused_lamb", "fused_novograd", "fused_mixed_precision_lamb")},
-    "apex.normalization.fused_layer_norm": "amp_patch.apex.normalization",
-    "apex.multi_tensor_apply.multi_tensor_apply": "amp_patch.apex.multi_tensor_apply",
+    "apex_C": "amp_patch.apex.apex_C",
+    "fused_adam_cuda": "amp_patch.apex.fused_adam_cuda",
+    "fused_layer_norm_cuda": "amp_patch.apex.fused_layer_norm_cuda",
+    "fused_weight_gradient_mlp_cuda": "amp_patch.apex.fused_weight_gradient_mlp_cuda",
+    "xentropy_cuda": "amp_patch.apex.xentropy_cuda",
 }
-#: served modules whose Apex counterpart is a package (its submodules above)
-_PACKAGES = ("apex.optimizers", "apex.normalization", "apex.multi_tensor_apply")
 
-#: what to use instead of the Apex modules amp_patch does not serve
+#: what to use instead of the Apex modules (and extensions) amp_patch does not
+#: serve; the longest matching prefix of a module's name applies
 REPLACEMENTS = {
     "apex.contrib": "the torch equivalents of the kernel you used (torch.nn.functional.scaled_dot_product_attention, "
     "torch.optim's fused optimizers, torch.nn.SyncBatchNorm)",
+    "apex.contrib.multihead_attn": "torch.nn.MultiheadAttention or torch.nn.functional.scaled_dot_product_attention",
+    "apex.contrib.fmha": "torch.nn.functional.scaled_dot_product_attention",
+    "apex.contrib.sparsity": "torch.ao.pruning (2:4 sparsity: torch.sparse.to_sparse_semi_structured)",
+    "apex.contrib.focal_loss": "torchvision.ops.sigmoid_focal_loss",
+    "apex.contrib.bottleneck": "torchvision.models.resnet.Bottleneck",
+    "apex.contrib.groupbn": "torch.nn.BatchNorm2d (torch.nn.SyncBatchNorm across processes)",
+    "apex.contrib.cudnn_gbn": "torch.nn.SyncBatchNorm",
+    "apex.contrib.transducer": "torchaudio.functional.rnnt_loss",
     "apex.transformer": "torch.distributed.tensor.parallel (tensor parallelism) or Megatron-Core",
-    "apex.mlp": "a torch.nn.Sequential of nn.Linear and activations (torch.compile fuses it)",
-    "apex.fused_dense": "torch.nn.Linear (torch.compile fuses bias and activation)",
     "apex.RNN": "torch.nn.LSTM / torch.nn.GRU",
-    "apex.reparameterization": "torch.nn.utils.parametrizations.weight_norm",
+    "apex.amp": "amp_patch.amp's public API (apex.amp's internals are not served)",
+    "apex.parallel.sync_batchnorm_kernel": "apex.parallel.SyncBatchNorm (served)",
+    "apex.parallel.optimized_sync_batchnorm_kernel": "apex.parallel.SyncBatchNorm (served)",
+    "syncbn": "apex.parallel.SyncBatchNorm (served) or torch.nn.SyncBatchNorm",
+    "mlp_cuda": "apex.mlp.MLP (served) or a torch.nn.Sequential of nn.Linear",
+    "fused_dense_cuda": "apex.fused_dense (served) or torch.nn.Linear",
+    "fast_multihead_attn": "torch.nn.functional.scaled_dot_product_attention",
+    "fmhalib": "torch.nn.functional.scaled_dot_product_attention",
+    "scaled_masked_softmax_cuda": "torch.softmax on the masked scores (torch.compile fuses it)",
+    "scaled_upper_triang_masked_softmax_cuda": "torch.nn.functional.scaled_dot_product_attention(is_causal=True)",
+    "scaled_softmax_cuda": "torch.softmax(x * scale, dim=-1)",
+    "generic_scaled_masked_softmax_cuda": "torch.softmax on the masked scores",
+    "fused_rotary_positional_embedding": "a torch implementation of RoPE (torch.compile fuses it)",
+    "fast_layer_norm": "apex.contrib.layer_norm.FastLayerNorm (served) or torch.nn.LayerNorm",
+    "fused_lamb_cuda": "apex.optimizers.FusedLAMB (served)",
+    "distributed_adam_cuda": "apex.contrib.optimizers.distributed_fused_adam (served)",
+    "distributed_lamb_cuda": "apex.optimizers.FusedLAMB (served)",
+    "group_norm_cuda": "apex.contrib.group_norm.GroupNorm (served) or torch.nn.GroupNorm",
+    "focal_loss_cuda": "torchvision.ops.sigmoid_focal_loss",
+    "bnp": "torch.nn.BatchNorm2d",
+    "peer_memory_cuda": "torch.distributed's send / recv",
+    "nccl_p2p_cuda": "torch.distributed's send / recv",
+    "transducer_joint_cuda": "torchaudio.functional.rnnt_loss",
+    "transducer_loss_cuda": "torchaudio.functional.rnnt_loss",
 }
+
+#: top-level modules the alias answers for: Apex's compiled extensions
+EXTENSIONS = frozenset(n for n in (*STANDINS, *REPLACEMENTS) if "." not in n and n != "apex")
 
 _lock = threading.Lock()
 _finder: Optional["_AliasFinder"] = None
@@ -75,22 +113,39 @@ _announced = False
 
 def replacement(fullname: str) -> str:
     """What to use instead of an Apex module amp_patch does not serve."""
-    top = ".".join(fullname.split(".")[:2])
-    return f"use {REPLACEMENTS.get(top, 'its torch equivalent')}"
+    parts = fullname.split(".")
+    for n in range(len(parts), 0, -1):
+        instead = REPLACEMENTS.get(".".join(parts[:n]))
+        if instead is not None:
+            return f"use {instead}"
+    return "use its torch equivalent"
 
 
 def _hint(fullname: str) -> str:
     served = ", ".join(n for n in STANDINS if n.count(".") == 1)
+    extensions = ", ".join(n for n in STANDINS if "." not in n)
     use = replacement(fullname)
-    return f"Apex is not installed, and amp_patch's apex alias serves only {served}, amp_C. {use[0].upper()}{use[1:]}."
+    return (f"Apex is not installed, and amp_patch's apex alias serves {served} (not all of their submodules) "
+            f"and the extensions {extensions}. {use[0].upper()}{use[1:]}.")
+
+
+def _not_served(fullname: str) -> ModuleNotFoundError:
+    """The error for an Apex module amp_patch does not serve. It carries no
+    ``name``, so ``from apex import RNN`` reports it too (the import system
+    drops a ModuleNotFoundError named after the submodule it tried there)."""
+    return ModuleNotFoundError(f"No module named {fullname!r}: {_hint(fullname)}")
 
 
 def standin_of(fullname: str) -> Any:
     """The module name (or, for ``apex.amp``'s submodules, the module) that
     stands in for ``fullname``, or None when amp_patch serves no such module."""
     if fullname.startswith("apex.amp."):
-        sub = fullname[len("apex.amp."):]
-        return amp.SUBMODULES.get(sub)
+        head, _, rest = fullname[len("apex.amp."):].partition(".")
+        module = amp.SUBMODULES.get(head)
+        if module is None or not rest:
+            return module
+        # a submodule of a package that stands in (apex.amp.lists.functional_overrides)
+        return f"{module.__name__}.{rest}" if hasattr(module, "__path__") else None
     if fullname in STANDINS:
         return STANDINS[fullname]
     for name in sorted(STANDINS, key=len, reverse=True):
@@ -139,19 +194,20 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "apex":
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True) if self.stand_in else None
-        if fullname != "amp_C" and not fullname.startswith("apex."):
+        extension = fullname in EXTENSIONS
+        if not extension and not fullname.startswith("apex."):
             return None
         if standin_of(fullname) is None:
-            if self.stand_in and fullname.startswith("apex."):
-                raise ModuleNotFoundError(f"No module named {fullname!r}: {_hint(fullname)}", name=fullname)
+            if (self.stand_in and not extension) or (extension and _real_spec(fullname, path, self) is None):
+                raise _not_served(fullname)
             return None
         if fullname != "apex.amp" and not fullname.startswith("apex.amp.") and _real_spec(fullname, path, self) is not None:
-            return None  # a real Apex module (or a real amp_C) stays in charge
+            return None  # a real Apex module (or a real amp_C, ...) stays in charge
         module = standin_module(fullname)
-        if module is None:
-            return None  # no such submodule in the stand-in: the import fails as it would anywhere
+        if module is None:  # a module of a served package that amp_patch does not serve
+            raise _not_served(fullname)
         self._specs[fullname] = module.__spec__
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=hasattr(module, "__path__") or fullname in _PACKAGES)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=hasattr(module, "__path__"))
 
     def create_module(self, spec):
         if spec.name == "apex":
@@ -165,17 +221,13 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         own = self._specs.pop(served, None)
         if own is not None:
             module.__spec__ = own  # ... and the stand-in keeps its own
-        # Apex's submodules that a stand-in serves too go into sys.modules now,
-        # so importing one never sets it as an attribute of the stand-in:
-        # `_amp_state` must stay amp's state object and `fused_layer_norm`
-        # apex.normalization's function, as in Apex
+        # apex.amp's submodules are served by modules outside amp_patch.amp;
+        # they go into sys.modules now, so importing one never sets it as an
+        # attribute of amp: `_amp_state` must stay amp's state object, as in Apex
         if module is amp:
             for sub, mod in amp.SUBMODULES.items():
                 sys.modules.setdefault(f"apex.amp.{sub}", mod)
             _announce()
-        for child, target in STANDINS.items():
-            if served != "apex" and child.rpartition(".")[0] == served:
-                sys.modules.setdefault(child, importlib.import_module(target))
 
 
 def _package_getattr(name: str):
@@ -266,7 +318,7 @@ def remove_apex_alias() -> None:
         except ValueError:
             pass
         served = []
-        for name in [n for n in sys.modules if n == "amp_C" or n.startswith("apex.")]:
+        for name in [n for n in sys.modules if n in EXTENSIONS or n.startswith("apex.")]:
             standin = standin_of(name)
             module = standin if isinstance(standin, types.ModuleType) else sys.modules.get(standin or "")
             if module is not None and sys.modules[name] is module:

@@ -1,5 +1,5 @@
-"""Stand-in for ``apex.multi_tensor_apply``: ``multi_tensor_applier``, the
-launcher scripts call Apex's ``amp_C`` kernels through.
+"""Stand-in for ``apex.multi_tensor_apply.multi_tensor_apply``: ``MultiTensorApply``,
+the launcher scripts call Apex's ``amp_C`` kernels through.
 
 Apex's launcher hands the op a chunk size that tiles its CUDA launches; here
 the ops are ``amp_patch.apex.amp_C``'s, built on torch's multi-tensor
@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["MultiTensorApply", "multi_tensor_applier"]
+__all__ = ["MultiTensorApply"]
 
 
 class MultiTensorApply:
@@ -44,7 +44,3 @@ class MultiTensorApply:
     def __call__(self, op: Callable[..., Any], noop_flag_buffer: torch.Tensor,
                  tensor_lists: Sequence[Sequence[torch.Tensor]], *args: Any) -> Any:
         return op(self.chunk_size, noop_flag_buffer, tensor_lists, *args)
-
-
-#: Apex's launcher, with Apex's chunk size
-multi_tensor_applier = MultiTensorApply(2048 * 32)

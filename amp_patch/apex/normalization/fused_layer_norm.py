@@ -1,5 +1,5 @@
-"""Stand-in for ``apex.normalization`` (and the functions of its
-``fused_layer_norm`` module): layer norm and RMS norm on torch's own kernels,
+"""Stand-in for ``apex.normalization.fused_layer_norm``: layer norm and RMS
+norm on torch's own kernels,
 ``torch.nn.functional.layer_norm`` and ``torch.nn.functional.rms_norm``.
 
 The modules subclass ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``, whose
@@ -37,6 +37,8 @@ __all__ = [
     "FusedLayerNorm", "MixedFusedLayerNorm", "FusedRMSNorm", "MixedFusedRMSNorm",
     "fused_layer_norm", "fused_layer_norm_affine", "mixed_dtype_fused_layer_norm_affine",
     "fused_rms_norm", "fused_rms_norm_affine", "mixed_dtype_fused_rms_norm_affine",
+    "FusedLayerNormAffineFunction", "FusedLayerNormFunction", "FusedRMSNormAffineFunction", "FusedRMSNormFunction",
+    "FusedLayerNormAffineMixedDtypesFunction", "FusedRMSNormAffineMixedDtypesFunction",
 ]
 
 
@@ -180,6 +182,132 @@ def mixed_dtype_fused_rms_norm_affine(input: Tensor, weight: Tensor, normalized_
         y = mixed_dtype_fused_rms_norm_affine(x.bfloat16(), w32, (512,))   # y is FP32
     """
     return _norm("rms", input, normalized_shape, weight, None, eps, mixed=True)
+
+
+def _vjp(ctx: Any, fn: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+    """The gradients of ``fn(*ctx.saved_tensors)``, re-run under autograd:
+    one per saved tensor, None where none is needed."""
+    with torch.enable_grad():
+        xs = [None if t is None else t.detach().requires_grad_(need)
+              for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+        wanted = [x for x in xs if x is not None and x.requires_grad]
+        grads = iter(torch.autograd.grad(fn(*xs), wanted, grad) if wanted else ())
+    return tuple(next(grads) if x is not None and x.requires_grad else None for x in xs)
+
+
+class FusedLayerNormAffineFunction(torch.autograd.Function):
+    """Apex's autograd function of ``fused_layer_norm_affine``, which scripts
+    (Megatron's) call as ``FusedLayerNormAffineFunction.apply(input, weight,
+    bias, normalized_shape, eps)``; the output is in ``input``'s dtype.
+
+    Example::
+
+        from apex.normalization.fused_layer_norm import FusedLayerNormAffineFunction
+        y = FusedLayerNormAffineFunction.apply(x, ln.weight, ln.bias, (512,), 1e-5)
+    """
+
+    _mixed = False
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight: Tensor, bias: Tensor, normalized_shape: Shape, eps: float,
+                memory_efficient: bool = False) -> Tensor:
+        ctx.shape, ctx.eps, ctx.mixed = normalized_shape, eps, FusedLayerNormAffineFunction._mixed
+        ctx.save_for_backward(input, weight, bias)
+        return _norm("layer", input, normalized_shape, weight, bias, eps, mixed=ctx.mixed)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        fn = lambda x, w, b: _norm("layer", x, ctx.shape, w, b, ctx.eps, mixed=ctx.mixed)  # noqa: E731
+        return _vjp(ctx, fn, grad) + (None, None, None)
+
+
+class FusedLayerNormAffineMixedDtypesFunction(FusedLayerNormAffineFunction):
+    """``FusedLayerNormAffineFunction`` with the output in ``weight``'s dtype
+    (``mixed_dtype_fused_layer_norm_affine``'s function)."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight: Tensor, bias: Tensor, normalized_shape: Shape, eps: float,
+                memory_efficient: bool = False) -> Tensor:
+        ctx.shape, ctx.eps, ctx.mixed = normalized_shape, eps, True
+        ctx.save_for_backward(input, weight, bias)
+        return _norm("layer", input, normalized_shape, weight, bias, eps, mixed=True)
+
+
+class FusedLayerNormFunction(torch.autograd.Function):
+    """Apex's autograd function of ``fused_layer_norm`` (no affine step):
+    ``FusedLayerNormFunction.apply(input, normalized_shape, eps)``.
+
+    Example::
+
+        y = FusedLayerNormFunction.apply(x, (512,), 1e-5)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, normalized_shape: Shape, eps: float,
+                memory_efficient: bool = False) -> Tensor:
+        ctx.shape, ctx.eps = normalized_shape, eps
+        ctx.save_for_backward(input)
+        return _norm("layer", input, normalized_shape, None, None, eps, mixed=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        fn = lambda x: _norm("layer", x, ctx.shape, None, None, ctx.eps, mixed=False)  # noqa: E731
+        return _vjp(ctx, fn, grad) + (None, None, None)
+
+
+class FusedRMSNormAffineFunction(torch.autograd.Function):
+    """Apex's autograd function of ``fused_rms_norm_affine``:
+    ``FusedRMSNormAffineFunction.apply(input, weight, normalized_shape, eps)``.
+
+    Example::
+
+        y = FusedRMSNormAffineFunction.apply(x, norm.weight, (512,), 1e-5)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight: Tensor, normalized_shape: Shape, eps: float,
+                memory_efficient: bool = False) -> Tensor:
+        ctx.shape, ctx.eps, ctx.mixed = normalized_shape, eps, False
+        ctx.save_for_backward(input, weight)
+        return _norm("rms", input, normalized_shape, weight, None, eps, mixed=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        fn = lambda x, w: _norm("rms", x, ctx.shape, w, None, ctx.eps, mixed=ctx.mixed)  # noqa: E731
+        return _vjp(ctx, fn, grad) + (None, None, None)
+
+
+class FusedRMSNormAffineMixedDtypesFunction(FusedRMSNormAffineFunction):
+    """``FusedRMSNormAffineFunction`` with the output in ``weight``'s dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight: Tensor, normalized_shape: Shape, eps: float,
+                memory_efficient: bool = False) -> Tensor:
+        ctx.shape, ctx.eps, ctx.mixed = normalized_shape, eps, True
+        ctx.save_for_backward(input, weight)
+        return _norm("rms", input, normalized_shape, weight, None, eps, mixed=True)
+
+
+class FusedRMSNormFunction(torch.autograd.Function):
+    """Apex's autograd function of ``fused_rms_norm`` (no scale):
+    ``FusedRMSNormFunction.apply(input, normalized_shape, eps)``.
+
+    Example::
+
+        y = FusedRMSNormFunction.apply(x, (512,), 1e-5)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, normalized_shape: Shape, eps: float,
+                memory_efficient: bool = False) -> Tensor:
+        ctx.shape, ctx.eps = normalized_shape, eps
+        ctx.save_for_backward(input)
+        return _norm("rms", input, normalized_shape, None, None, eps, mixed=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        fn = lambda x: _norm("rms", x, ctx.shape, None, None, ctx.eps, mixed=False)  # noqa: E731
+        return _vjp(ctx, fn, grad) + (None, None, None)
 
 
 class _Apex:

@@ -1,0 +1,10 @@
+"""Stand-in for ``apex.contrib``: the parts training scripts import.
+
+Served: ``clip_grad`` (``clip_grad_norm_``), ``xentropy``
+(``SoftmaxCrossEntropyLoss``), ``layer_norm`` (``FastLayerNorm``),
+``optimizers`` (``FP16_Optimizer``, ``FusedAdam``, ``FusedLAMB``, ``FusedSGD``,
+``distributed_fused_adam.DistributedFusedAdam``) and ``group_norm``
+(``GroupNorm``). The rest of ``apex.contrib`` (fused attention, sparsity,
+transducer, ...) is not served: importing it names the torch replacement
+(``amp_patch.frontends.alias.REPLACEMENTS``).
+"""

@@ -1,0 +1,4 @@
+"""``apex.contrib.group_norm``: ``GroupNorm``."""
+from .group_norm import GroupNorm
+
+__all__ = ["GroupNorm"]

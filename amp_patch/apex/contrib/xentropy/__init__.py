@@ -1,0 +1,4 @@
+"""``apex.contrib.xentropy``: ``SoftmaxCrossEntropyLoss``."""
+from .softmax_xentropy import SoftmaxCrossEntropyLoss
+
+__all__ = ["SoftmaxCrossEntropyLoss"]

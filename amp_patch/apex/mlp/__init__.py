@@ -1,0 +1,4 @@
+"""``apex.mlp``: ``MLP``."""
+from .mlp import MLP
+
+__all__ = ["MLP"]
