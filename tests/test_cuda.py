@@ -117,3 +117,64 @@ def test_cached_weight_and_inplace_rules_on_cuda():
             h.exp_()
     finally:
         amp_patch.deinitialize()
+
+
+def _net_cuda(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_gradients_after_a_scaled_backward_are_true_on_cuda(level):
+    import copy
+
+    model = _net_cuda()
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(16, 32, device="cuda", generator=g)
+    y = torch.randn(16, 8, device="cuda", generator=g)
+    F.mse_loss(ref(x), y).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, level, half_dtype="float16", verbosity=0)
+    try:
+        F.mse_loss(model(x), y).backward()
+        got = list(model.parameters()) if level == "O1" else list(amp_patch.master_params(opt))
+        for p, r in zip(got, ref.parameters()):
+            assert p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad, r.grad, rtol=2e-2, atol=2e-3)
+    finally:
+        amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_backward_never_syncs_and_the_step_syncs_once_on_cuda(level):
+    import warnings
+
+    model = _net_cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, level, half_dtype="float16", verbosity=0)
+    try:
+        x = torch.randn(16, 32, device="cuda")
+        y = torch.randn(16, 8, device="cuda")
+        for _ in range(2):  # the first step makes the flags and buffers
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        torch.cuda.synchronize()
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()  # unscales and checks on the device: no host sync
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert sum("synchroniz" in str(w.message) for w in seen) == 1, [str(w.message) for w in seen]
+    finally:
+        amp_patch.deinitialize()
