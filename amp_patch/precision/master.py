@@ -256,8 +256,12 @@ class MasterWeights:
                         self.masters[i].grad = self._buffer(i).zero_()
         self.holds_partial_sum = False
         self.zeroed = not set_to_none
-
-    def add_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        if set_to_none and self.masters and self.masters[0].is_cuda:
+            # On CUDA the FP32 gradient buffers go with the gradients, so they are
+            # not held through the next backward beside its activations (the peak);
+            # the caching allocator hands the memory back at the backward's end for
+            # free. On a CPU they stay: a fresh allocation would page-fault every step.
+            self.grads = [None] * len(self.grads)(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """A param group for ``add_param_group`` with masters for its half parameters."""
         entries = group["params"]
         entries = [entries] if isinstance(entries, Tensor) else list(entries)
