@@ -261,7 +261,9 @@ class MasterWeights:
             # not held through the next backward beside its activations (the peak);
             # the caching allocator hands the memory back at the backward's end for
             # free. On a CPU they stay: a fresh allocation would page-fault every step.
-            self.grads = [None] * len(self.grads)(self, group: Dict[str, Any]) -> Dict[str, Any]:
+            self.grads = [None] * len(self.grads)
+
+    def add_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """A param group for ``add_param_group`` with masters for its half parameters."""
         entries = group["params"]
         entries = [entries] if isinstance(entries, Tensor) else list(entries)
