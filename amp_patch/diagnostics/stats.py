@@ -7,7 +7,7 @@ calls, the dtypes the op ran in (read from its output), the casts inserted and
 the bytes they copied, and the first call site in user code.
 
 It also watches the calls no list covers, through the watching mode of
-``_modes``: an op that ran in FP32 on inputs that could have been cast to the
+``amp_patch.patching.modes``: an op that ran in FP32 on inputs that could have been cast to the
 half dtype is an "unlisted op seen", a candidate for a YAML override. Only
 calls made while autograd records are counted (the forward pass): the
 optimizer step and the loss scaler work in FP32 under ``no_grad`` by design,

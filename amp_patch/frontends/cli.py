@@ -208,7 +208,7 @@ def _cmd_demo(tokens: Sequence[str]) -> int:
     except ModuleNotFoundError as e:
         if e.name != "amp_patch.frontends.demo":
             raise
-        print(f"{PROG} demo: the demo is not part of this installation of amp_patch (amp_patch/demo.py is missing)", file=sys.stderr)
+        print(f"{PROG} demo: the demo is not part of this installation of amp_patch (amp_patch/frontends/demo.py is missing)", file=sys.stderr)
         return 2
     rc = demo.main(list(tokens))
     return 0 if rc is None else rc

@@ -74,7 +74,7 @@ switch = _Switch()
 
 # Non-empty while every patched call must run the Python wrappers, never the C
 # fast path: overflow provenance finds the op being cast from their frames
-# (``_modes`` fills it while the watching mode has observers).
+# (``amp_patch.patching.modes`` fills it while the watching mode has observers).
 python_only: dict = {}
 
 
