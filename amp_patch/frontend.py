@@ -22,6 +22,7 @@ import torch
 import wrapt
 
 from . import diagnostics, inflight, oplists, session
+from .diagnostics.report import report_of
 from .diagnostics.stats import Ledger
 from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
@@ -34,6 +35,7 @@ from .properties import EXTRA_OPTIONS, Properties, resolve
 from .scaling import optimizer as optimizer_scaling
 from .scaling import state as scaling_state
 from .scaling import validate_options
+from .scaling.checkpoint import counters_of
 from .session import Session
 
 log = logging.getLogger("amp_patch")
@@ -407,9 +409,14 @@ def deinitialize() -> None:
 
 
 def _end(amp: Session) -> None:
-    """End a session: gradients a scaled backward left made true (or dropped), then every change undone."""
+    """End a session: gradients a scaled backward left made true (or dropped),
+    its figures kept for ``counters()`` and ``report()``, then every change undone."""
     try:
         scaling_state.settle(amp)
+        patched: dict = {}
+        for entry in (amp.table or {}).values():
+            patched[entry.policy] = patched.get(entry.policy, 0) + 1
+        session.set_ended(session.Ended(counters_of(amp), report_of(amp), patched))
     finally:
         amp.end()
 

@@ -57,13 +57,11 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
         # A skip decision stands until the next backward: a second step() with
         # no backward in between must not apply the overflowed gradients.
         h.skip = None
-    if skip:
-        h.skipped += 1
-    else:
+    if not skip:
         out = h.originals["step"](*args, **kwargs)
         if mw is not None:
             mw.refresh()
-        h.steps += 1
+    h.count(skip)
     if mw is not None:
         mw.consumed()
     return None if skip else out
@@ -98,7 +96,7 @@ def _fused_step(run: Run, h: Handle) -> bool:
         decide_skips(run)
         if h.skip:  # as the plain step: the skip decision stands until the next backward
             h.fused.drop_grads(plan)
-            h.skipped += 1
+            h.count(skipped=True)
             mw.consumed()
             return True
         h.skip = None
@@ -111,7 +109,7 @@ def _fused_step(run: Run, h: Handle) -> bool:
             torch._foreach_mul_(grads, inv)
         h.originals["step"]()
         mw.refresh()
-    h.steps += 1
+    h.count(skipped=False)
     mw.consumed()
     return True
 
