@@ -264,6 +264,12 @@ def test_alias_names_the_replacement_of_apex_modules_it_does_not_serve(clean_ape
         import apex.contrib  # noqa: F401
     with pytest.raises(ImportError, match=r"apex.mlp.*nn.Linear"):
         from apex.mlp import MLP  # noqa: F401
+    # Python imports apex.contrib first: its message names xentropy's replacement too
+    with pytest.raises(ImportError, match=r"apex.contrib.*xentropy: torch.nn.functional.cross_entropy\(logits, "
+                                          r"target, label_smoothing=...\)"):
+        from apex.contrib.xentropy import SoftmaxCrossEntropyLoss  # noqa: F401
+    assert alias.replacement("apex.contrib.xentropy.SoftmaxCrossEntropyLoss").startswith(
+        "use torch.nn.functional.cross_entropy(logits, target, label_smoothing=smoothing, ignore_index=padding_idx)")
     import apex
 
     with pytest.raises(AttributeError, match=r"transformer.*tensor.parallel"):

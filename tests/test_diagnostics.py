@@ -131,6 +131,29 @@ def test_optimizer_parameters_outside_the_models_warn_at_o1():
     assert not [m for m in msgs if "optimizer 0" in m]
 
 
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_an_optimizer_over_part_of_a_master_weights_model_names_the_rest(level):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    model[2].weight.requires_grad_(False)  # frozen on purpose: not named
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    try:
+        msgs, _ = _init_and_collect(model, opt, opt_level=level, half_dtype=bf16)
+    finally:
+        amp_patch.deinitialize()
+    assert [m for m in msgs if "cover" in m] == [
+        f"amp_patch: the optimizers given to initialize cover 2 of the 5 trainable parameters of model 0 "
+        f"(Sequential); 1.weight, 1.bias, 2.bias are in none of them, so at {level} they stay bfloat16 with no FP32 "
+        f"master and no step updates them. Pass every optimizer that trains the model (initialize(model, [opt1, "
+        f"opt2], ...)), or set requires_grad=False on what you mean to freeze."
+    ]
+    whole = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        msgs, _ = _init_and_collect(model, whole, opt_level=level, half_dtype=bf16)
+    finally:
+        amp_patch.deinitialize()
+    assert not [m for m in msgs if "cover" in m]
+
+
 def _o3_adamw_step(eps, level="O3", half=f16):
     """One AdamW step of an initialized model whose second weight gets no gradient."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))

@@ -58,8 +58,13 @@ _PACKAGES = ("apex.optimizers", "apex.normalization", "apex.multi_tensor_apply")
 
 #: what to use instead of the Apex modules amp_patch does not serve
 REPLACEMENTS = {
-    "apex.contrib": "the torch equivalents of the kernel you used (torch.nn.functional.scaled_dot_product_attention, "
-    "torch.optim's fused optimizers, torch.nn.SyncBatchNorm)",
+    # an import names the package first, so its text names the common submodules' replacements too
+    "apex.contrib": "the torch equivalent of the kernel you used (xentropy: torch.nn.functional.cross_entropy(logits, "
+    "target, label_smoothing=...); multihead_attn: torch.nn.functional.scaled_dot_product_attention; the fused "
+    "optimizers: torch.optim's fused=True; groupbn: torch.nn.SyncBatchNorm)",
+    "apex.contrib.xentropy": "torch.nn.functional.cross_entropy(logits, target, label_smoothing=smoothing, "
+    "ignore_index=padding_idx) (torch.nn.CrossEntropyLoss takes the same; SoftmaxCrossEntropyLoss.apply's "
+    "half_to_float is not needed: amp_patch runs cross_entropy in FP32)",
     "apex.transformer": "torch.distributed.tensor.parallel (tensor parallelism) or Megatron-Core",
     "apex.mlp": "a torch.nn.Sequential of nn.Linear and activations (torch.compile fuses it)",
     "apex.fused_dense": "torch.nn.Linear (torch.compile fuses bias and activation)",
@@ -74,9 +79,14 @@ _announced = False
 
 
 def replacement(fullname: str) -> str:
-    """What to use instead of an Apex module amp_patch does not serve."""
-    top = ".".join(fullname.split(".")[:2])
-    return f"use {REPLACEMENTS.get(top, 'its torch equivalent')}"
+    """What to use instead of an Apex module amp_patch does not serve: the
+    entry of its longest prefix in ``REPLACEMENTS``."""
+    parts = fullname.split(".")
+    for n in range(len(parts), 1, -1):
+        use = REPLACEMENTS.get(".".join(parts[:n]))
+        if use is not None:
+            return f"use {use}"
+    return "use its torch equivalent"
 
 
 def _hint(fullname: str) -> str:
