@@ -100,6 +100,10 @@ def test_modes_flag_and_bad_arguments(capsys):
     assert "--modes takes a comma-separated subset of FP32,O1,O2; got 'O7'" in capsys.readouterr().err
     assert demo.main(["--size", "0"]) == 2
     assert "--size must be at least 1" in capsys.readouterr().err
+    assert demo.main(["--steps", "3", "--rounds", "5"]) == 2
+    assert "--rounds 5 is more than --steps 3: each round needs a step per mode" in capsys.readouterr().err
+    assert demo.main(["--warmup", "0"]) == 2
+    assert "--warmup must be at least 1" in capsys.readouterr().err
     assert demo.main(["--help"]) == 0
     assert "--full" in capsys.readouterr().out
 
@@ -209,7 +213,7 @@ def test_demo_through_python_dash_m():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-m", "amp_patch", "demo", "--size", "16", "--batch-size", "8", "--batches", "2",
-         "--steps", "2", "--rounds", "2", "--warmup", "0", "--modes", "FP32,O1", "--no-progress"],
+         "--steps", "2", "--rounds", "2", "--warmup", "1", "--modes", "FP32,O1", "--no-progress"],
         cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
         capture_output=True, text=True, timeout=300,
     )

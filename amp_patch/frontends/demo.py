@@ -60,9 +60,9 @@ NO_NATIVE_BF16 = (
 )
 #: the tutorial's sizes and step count (5 epochs of 50 batches), in 10 rounds of 25 steps
 FULL = dict(size=4096, batch_size=512, batches=50, steps=250, rounds=10)
-#: default rounds, and about how long the slowest mode's block of steps runs
+#: the default rounds and timed steps per mode: a fixed count, so the loss column is the same in every run
 ROUNDS = 7
-BLOCK_SECONDS = 0.4
+STEPS = 42
 #: a figure whose spread over rounds (half its IQR, over its median) is above this is noise
 NOISY_SPREAD = 0.10
 
@@ -394,7 +394,7 @@ def _worker(conn: Any, mode: str, config: Dict[str, Any], device_name: str, thre
             conn.close()
             return
         warm = []
-        for i in range(max(config["warmup"], 1)):  # at least one step: the first loss, and the block size
+        for i in range(config["warmup"]):
             _sync(device)
             t0 = time.perf_counter()
             trainer.run(1)
@@ -437,9 +437,7 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
         one ``Result`` per mode, and each mode's speedups over FP32, one per round.
 
     Every mode runs the same steps on the same batches: ``args.warmup``
-    untimed, then ``args.rounds`` blocks of ``block`` steps, ``block`` being
-    ``args.steps / args.rounds`` or, without ``--steps``, what the slowest
-    mode runs in about ``args.block_seconds``.
+    untimed, then ``args.steps`` in ``args.rounds`` blocks.
     """
     ctx = _context(device)
     config = _config(args)
@@ -463,11 +461,7 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
         speedups: Dict[str, List[float]] = {m: [] for m in workers if m != "FP32"}
         if not workers:
             return [results[m] for m in modes], speedups
-        if args.steps:
-            block = max(1, math.ceil(args.steps / args.rounds))
-        else:
-            block = max(1, round(args.block_seconds / max(warm.values())))
-        total = args.steps or block * args.rounds
+        total = args.steps
         estimate = total * sum(warm.values())
         if args.full or estimate > 60:
             print(f"Timed part: {total} steps per mode in {args.rounds} rounds, about {_duration(estimate)} "
@@ -476,9 +470,7 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
         active = list(workers)
         done, started = 0, time.perf_counter()
         for r in range(args.rounds):
-            n = min(block, total - done)
-            if n <= 0:
-                break
+            n = total * (r + 1) // args.rounds - total * r // args.rounds  # at least 1: rounds <= steps
             order = active[r % len(active):] + active[: r % len(active)]
             this = {}
             for mode in order:
@@ -562,12 +554,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256,
                    help="rows per batch (default 256; multiples of 8 suit GPU Tensor Cores)")
     p.add_argument("--batches", type=int, default=8, help="batches of random inputs, used in turn (default 8)")
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"timed steps per mode (default: as many as fit {ROUNDS} rounds of about {BLOCK_SECONDS} s per mode)")
-    p.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds, each one block of steps per mode (default {ROUNDS})")
-    p.add_argument("--block-seconds", type=float, default=BLOCK_SECONDS,
-                   help=f"without --steps: about how long the slowest mode's block runs (default {BLOCK_SECONDS})")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode before the rounds (default 2)")
+    p.add_argument("--steps", type=int, default=STEPS, help=f"timed steps per mode (default {STEPS})")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"rounds the timed steps are split into, each one block of steps per mode (default {ROUNDS})")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode before the rounds, at least 1 (default 2)")
     p.add_argument("--full", action="store_true",
                    help="the tutorial's sizes and steps: --size 4096 --batch-size 512 --batches 50 --steps 250 "
                         "--rounds 10, with progress and an estimate of the time it takes")
@@ -590,15 +580,13 @@ def _settings(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, List[s
     if args.full:
         for k, v in FULL.items():
             setattr(args, k, v)
-    for name in ("size", "batch_size", "batches", "rounds"):
+    for name in ("size", "batch_size", "batches", "steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.steps is not None and args.steps < 1:
-        p.error("--steps must be at least 1")
-    if args.warmup < 0:
-        p.error("--warmup must be 0 or more")
-    if not args.block_seconds > 0:
-        p.error("--block-seconds must be more than 0")
+    if args.rounds > args.steps:
+        p.error(f"--rounds {args.rounds} is more than --steps {args.steps}: each round needs a step per mode")
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the first steps allocate and warm caches: timing them times that)")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
     modes = [m.strip().upper() for m in args.modes.split(",") if m.strip()]
@@ -644,10 +632,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     load, cores = _load(), os.cpu_count() or 1
     half = "float16" if device.type == "cuda" else "bfloat16"
     timing = "CPU time" if args.threads == 1 and device.type == "cpu" else "wall clock"
-    steps = f"{args.steps} timed steps" if args.steps else f"{args.rounds} rounds of timed steps"
     print(
         f"amp_patch demo: SimpleNet (3 x Linear {args.size}->{args.size}, ReLU), MSE loss, Adam; "
-        f"batch {args.batch_size}, {steps} after {args.warmup} warm-up; "
+        f"batch {args.batch_size}, {args.steps} timed steps after {args.warmup} warm-up; "
         f"{device.type} ({'CUDA' if device.type == 'cuda' else 'CPU'} half dtype: {half})",
         flush=True,
     )
