@@ -176,7 +176,7 @@ def initialize(
             options in ``EXTRA_OPTIONS`` (loss scaler settings, ``keep_fp32``,
             ``collect_stats``, ``find_overflow``, ``fused_update`` (O2/O5:
             the optimizer step as one compiled pass per param group instead
-            of three; see ``amp_patch.scaling.fused``), ...).
+            of three; see ``amp_patch.precision.fused``), ...).
 
     Returns:
         ``(models, optimizers)`` in the structure they were given, or just the
