@@ -24,6 +24,10 @@ names its own) and the launcher steps aside for the rest of the run.
 Every switch is also an environment variable, for launchers that cannot pass
 flags (``torchrun``): ``AMP_PATCH_OPT_LEVEL``, ``AMP_PATCH_HALF_DTYPE``,
 ``AMP_PATCH_LOSS_SCALE``, ``AMP_PATCH_OUTPUTS`` and ``AMP_PATCH_LISTS``; a flag beats its variable.
+
+``run`` can say what it did (``amp-patch run`` does, on stderr, unless
+``--quiet``): ``banner`` before the script, with where each setting came from,
+and ``summary`` after it, from the last run's figures (``session.ended()``).
 """
 from __future__ import annotations
 
