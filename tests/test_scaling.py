@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_patch
-from amp_patch import scaling
+from amp_patch import scaling, session
 from amp_patch.errors import ConfigError, OverflowLoopError, StateError
 from helpers import amp, batch, destroy_process_group
 
@@ -527,7 +527,8 @@ def test_state_dict_is_apex_shaped_and_apex_checkpoints_load():
             amp_patch.load_state_dict(dict(amp_patch.state_dict(), amp_patch={"opt_level": "O1"}))
 
 
-def test_calls_in_the_wrong_order_raise_state_errors():
+def test_calls_in_the_wrong_order_raise_state_errors(monkeypatch):
+    monkeypatch.setattr(session, "_ended", None)  # before any run (after one, counters() gives its figures)
     model = Scale()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for call in (lambda: amp_patch.state_dict(), lambda: amp_patch.load_state_dict({}),
