@@ -9,6 +9,7 @@ never left half-patched.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -413,10 +414,8 @@ def _end(amp: Session) -> None:
     its figures kept for ``counters()`` and ``report()``, then every change undone."""
     try:
         scaling_state.settle(amp)
-        patched: dict = {}
-        for entry in (amp.table or {}).values():
-            patched[entry.policy] = patched.get(entry.policy, 0) + 1
-        session.set_ended(session.Ended(counters_of(amp), report_of(amp), patched))
+        patched = collections.Counter(entry.policy for entry in (amp.table or {}).values())
+        session.set_ended(session.Ended(counters_of(amp), report_of(amp), dict(patched)))
     finally:
         amp.end()
 
