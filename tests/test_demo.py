@@ -174,7 +174,7 @@ def test_noise_verdict_is_printed_after_the_table(capsys, monkeypatch):
     assert demo.main(SMALL + ["--modes", "FP32,O1"]) == 0
     out = capsys.readouterr().out
     assert "load average 64.0 on" in out.splitlines()[2]
-    verdict = out[out.index("\nToo noisy to trust these speedups: "):]
+    verdict = out[out.index("\nToo noisy to trust these figures: "):]
     assert "the load average was 64.0 on" in verdict and "Run it again on an idle machine" in verdict
 
 

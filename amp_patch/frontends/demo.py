@@ -433,11 +433,12 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
             quiet_bf16: bool = False) -> Tuple[List[Result], Dict[str, List[float]]]:
     """Train every mode in its own worker, in interleaved rounds.
 
-    Returns:
-        one ``Result`` per mode, and each mode's speedups over FP32, one per round.
-
     Every mode runs the same steps on the same batches: ``args.warmup``
     untimed, then ``args.steps`` in ``args.rounds`` blocks.
+
+    Returns:
+        one ``Result`` per mode, and each mode's speedups over FP32, one per
+        round (none when FP32 is not among the modes).
     """
     ctx = _context(device)
     config = _config(args)
@@ -460,7 +461,7 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
             results[mode] = Result(mode, first_loss=msg[2])
         speedups: Dict[str, List[float]] = {m: [] for m in workers if m != "FP32"}
         if not workers:
-            return [results[m] for m in modes], speedups
+            return [results[m] for m in modes], {}
         total = args.steps
         estimate = total * sum(warm.values())
         if args.full or estimate > 60:
@@ -508,7 +509,7 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
         for proc, conn in workers.values():
             if proc.is_alive():
                 proc.terminate()
-    return [results[m] for m in modes], speedups
+    return [results[m] for m in modes], {m: v for m, v in speedups.items() if v}  # none without FP32
 
 
 def _duration(seconds: float) -> str:
@@ -651,7 +652,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(results))
     reasons = noise_verdict(speedups, load, cores)
     if reasons:
-        print(f"\nToo noisy to trust these speedups: {'; '.join(reasons)}. Run it again on an idle machine, "
+        print(f"\nToo noisy to trust these figures: {'; '.join(reasons)}. Run it again on an idle machine, "
               f"or with more --rounds.")
     elif speedups:
         worst = max(spread(v) for v in speedups.values())
