@@ -121,6 +121,17 @@ def test_full_flag_selects_the_tutorials_sizes_and_steps():
     assert args.progress and modes == ["FP32", "O1", "O2"] and args.threads == 1
 
 
+def test_default_sizes_follow_the_device(monkeypatch):
+    args, _, device = demo._settings(["--device", "cpu"])
+    assert (device.type, args.size, args.batch_size, args.threads) == ("cpu", 1024, 256, 1)
+    # a GPU gets the tutorial's sizes: at the CPU's, per-op overheads hide the speedup
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args, _, device = demo._settings([])
+    assert (device.type, args.size, args.batch_size) == ("cuda", 4096, 512)
+    args, _, _ = demo._settings(["--size", "64"])
+    assert (args.size, args.batch_size) == (64, 512)
+
+
 def test_full_says_how_long_it_will_take_and_shows_progress(capsys, monkeypatch):
     monkeypatch.setattr(demo, "FULL", dict(size=16, batch_size=8, batches=2, steps=4, rounds=2))
     assert demo.main(["--full", "--modes", "FP32,O1", "--warmup", "1"]) == 0

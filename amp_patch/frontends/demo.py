@@ -60,6 +60,9 @@ NO_NATIVE_BF16 = (
 )
 #: the tutorial's sizes and step count (5 epochs of 50 batches), in 10 rounds of 25 steps
 FULL = dict(size=4096, batch_size=512, batches=50, steps=250, rounds=10)
+#: the default sizes: a GPU needs the tutorial's to show a speedup (at the CPU's,
+#: a step takes a millisecond or two, which the per-op overheads dominate)
+SIZES = {"cpu": dict(size=1024, batch_size=256), "cuda": dict(size=4096, batch_size=512)}
 #: the default rounds and timed steps per mode: a fixed count, so the loss column is the same in every run
 ROUNDS = 7
 STEPS = 42
@@ -551,9 +554,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Train the Paddle AMP tutorial's SimpleNet in FP32, O1 and O2 and compare them, "
         "each mode in a worker process of its own, in interleaved rounds.",
     )
-    p.add_argument("--size", type=int, default=1024, help="input and output width of each Linear (default 1024)")
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="rows per batch (default 256; multiples of 8 suit GPU Tensor Cores)")
+    p.add_argument("--size", type=int, default=None,
+                   help="input and output width of each Linear (default 1024 on CPU, 4096 on CUDA)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="rows per batch (default 256 on CPU, 512 on CUDA; multiples of 8 suit GPU Tensor Cores)")
     p.add_argument("--batches", type=int, default=8, help="batches of random inputs, used in turn (default 8)")
     p.add_argument("--steps", type=int, default=STEPS, help=f"timed steps per mode (default {STEPS})")
     p.add_argument("--rounds", type=int, default=ROUNDS,
@@ -581,6 +585,13 @@ def _settings(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, List[s
     if args.full:
         for k, v in FULL.items():
             setattr(args, k, v)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available; use --device cpu")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    for name, value in SIZES[device.type].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     for name in ("size", "batch_size", "batches", "steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -593,10 +604,6 @@ def _settings(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, List[s
     modes = [m.strip().upper() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes a comma-separated subset of {','.join(MODES)}; got {args.modes!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available; use --device cpu")
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
     if args.threads is None:
         args.threads = 1 if device.type == "cpu" else torch.get_num_threads()
     if args.progress is None:
