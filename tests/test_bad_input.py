@@ -162,6 +162,7 @@ ORDER_ROWS = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name,call", ORDER_ROWS, ids=[r[0] for r in ORDER_ROWS])
 def test_calls_before_initialize_say_to_initialize_first(name, call):
     before = Snapshot()

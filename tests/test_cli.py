@@ -156,6 +156,7 @@ def test_a_script_that_does_not_compile_is_reported_as_python_reports_it(tmp_pat
 # --------------------------------------------------------------------- lists
 
 
+@pytest.mark.quick
 def test_lists_table_shows_every_effective_op_with_its_source(capsys):
     assert cli.main(["lists", "--half-dtype", "bfloat16", "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -219,6 +220,7 @@ def test_lists_with_bad_input_exits_2(capsys, tmp_path):
 # --------------------------------------------------------------------- check
 
 
+@pytest.mark.quick
 def test_check_prints_every_problem_with_file_line_and_nearest_name(capsys, tmp_path):
     bad = write(tmp_path, "bad.yaml", """\
         torch.nn.functional:
@@ -416,6 +418,7 @@ def _ours(err):
     return [line for line in err.splitlines() if line.startswith("amp-patch run: ")]
 
 
+@pytest.mark.quick
 def test_run_says_what_it_turned_on_and_what_ran(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("AMP_PATCH_HALF_DTYPE", "bfloat16")
     script = write(tmp_path, "train.py", TRAIN)
@@ -455,6 +458,7 @@ def test_run_names_defaults_and_the_scripts_own_initialize(tmp_path, capsys):
                        "0 skipped; final loss scale 65536 (dynamic); ops cast: none patched, the model itself is float16")
 
 
+@pytest.mark.quick
 def test_run_quiet_says_nothing_of_its_own(tmp_path, capsys):
     script = write(tmp_path, "train.py", TRAIN)
     assert cli.main(["run", "--quiet", "--opt-level", "O4", str(script)]) == 0
@@ -472,6 +476,7 @@ def test_run_summary_comes_before_the_scripts_exit(tmp_path, capsys):
     assert _ours(capsys.readouterr().err)[1].startswith("amp-patch run: done: O4 in bfloat16, set by the launcher; 3 steps taken")
 
 
+@pytest.mark.quick
 def test_version_names_amp_patch_torch_python_and_the_fast_path(capsys):
     assert cli.main(["--version"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -12,6 +12,7 @@ import amp_patch
 from amp_patch import amp, session
 from helpers import batch, mlp, sgd
 
+pytestmark = pytest.mark.quick  # every test here is fast
 bf16, f16 = torch.bfloat16, torch.float16
 
 

@@ -60,6 +60,7 @@ def _o2_available() -> bool:
     return True
 
 
+@pytest.mark.quick
 def test_demo_prints_the_comparison_table(capsys):
     assert demo.main(SMALL) == 0
     out = capsys.readouterr().out
@@ -159,6 +160,7 @@ def test_peak_memory_counts_live_tensor_storage():
     del c
 
 
+@pytest.mark.quick
 def test_spread_is_half_the_interquartile_range_over_the_median():
     assert demo.spread([2.0]) == 0.0
     assert demo.spread([1.0, 1.0, 1.0, 1.0]) == 0.0
@@ -166,6 +168,7 @@ def test_spread_is_half_the_interquartile_range_over_the_median():
     assert demo.spread([1, 2, 3, 4, 5, 6, 7]) == pytest.approx((5.5 - 2.5) / 2 / 4)
 
 
+@pytest.mark.quick
 def test_noise_verdict_from_given_timings():
     steady = {"O1": [1.50, 1.52, 1.48, 1.51, 1.49, 1.50, 1.53], "O2": [2.0, 2.1, 1.95, 2.05, 2.0, 2.02, 1.98]}
     assert demo.noise_verdict(steady, load=0.4, cores=2) == []
@@ -197,6 +200,7 @@ CPUINFO = "processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu sse2 avx2
     ("avx512f avx512_bf16", "BF16: avx512_bf16, no amx_bf16: native BF16 dot products in vector registers, no matrix units"),
     ("avx512f", "BF16: none of amx_bf16, avx512_bf16: torch emulates BF16 here, slower than FP32"),
 ])
+@pytest.mark.quick
 def test_hardware_line_reads_the_bf16_flags(flags, says):
     info = CPUINFO.format(flags)
     assert demo.cpu_bf16_flags(info) == [f for f in ("amx_bf16", "avx512_bf16") if f in flags.split()]

@@ -13,6 +13,7 @@ import pytest
 
 from amp_patch.frontends import cli
 
+pytestmark = pytest.mark.quick  # every test here is fast
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 #: importing it turns AMP on for the process: its names are checked without importing it

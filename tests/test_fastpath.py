@@ -51,6 +51,7 @@ def test_the_c_fast_path_is_built_where_a_compiler_is():
     )
 
 
+@pytest.mark.quick
 def test_printing_fast_says_in_words_which_wrappers_run(monkeypatch):
     if wrappers.fast:
         assert str(wrappers.fast) == (f"the C fast path is in use: patched ops make their common call in C "
@@ -65,6 +66,7 @@ def test_printing_fast_says_in_words_which_wrappers_run(monkeypatch):
         assert type(torch.mm).__name__ == "OpWrapper"  # initialize builds the Python wrappers
 
 
+@pytest.mark.quick
 def test_c_wrappers_are_wrapt_function_wrappers(o4):
     mm, add = torch.mm, vars(torch.Tensor)["__add__"]
     fast = o4 == "c"

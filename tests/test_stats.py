@@ -67,6 +67,7 @@ def _data():
     return batch(0, D_IN, D_OUT, rows=B, seed=1)
 
 
+@pytest.mark.quick
 def test_ledger_counts_calls_dtypes_casts_and_bytes(amp_run):
     model, opt = amp_run
     x, y = _data()
@@ -147,6 +148,7 @@ def test_unlisted_ops_are_fp32_ops_on_eligible_inputs_that_no_list_covers(amp_ru
     assert not any(q.endswith(".view") for q in unlisted)
 
 
+@pytest.mark.quick
 def test_report_str_groups_by_policy_and_sorts_by_calls(amp_run):
     model, opt = amp_run
     x, y = _data()
@@ -338,6 +340,7 @@ def test_plot_before_any_step_says_why_it_has_nothing_to_draw(amp_run, tmp_path)
     assert out == str(tmp_path / "x.png") and (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.quick
 def test_plot_of_a_run_that_scales_no_loss_draws_its_steps(amp_run, tmp_path):
     pytest.importorskip("matplotlib")
     model, opt = amp_run  # BF16: no loss scaling
