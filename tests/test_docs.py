@@ -76,25 +76,25 @@ def _resolve(dotted: str) -> None:
     raise ModuleNotFoundError(dotted)
 
 
-def test_every_amp_patch_name_the_readme_gives_resolves():
+def _unresolved(names, where: str = ""):
     missing = []
-    for name in sorted(_names(README)):
+    for name in sorted(names):
         try:
             _resolve(name)
         except (ImportError, AttributeError) as e:
-            missing.append(f"{name}: {e}")
-    assert missing == []
+            missing.append(f"{where}{name}: {e}")
+    return missing
+
+
+def test_every_amp_patch_name_the_readme_gives_resolves():
+    assert _unresolved(_names(README)) == []
 
 
 def test_every_amp_patch_name_a_docstring_gives_resolves():
     missing = []
     for path in sorted((ROOT / "amp_patch").rglob("*.py")):
         quoted = " ".join(re.findall(r"``([^`]+)``", path.read_text(encoding="utf-8")))  # reST literals
-        for name in sorted(_names(quoted)):
-            try:
-                _resolve(name)
-            except (ImportError, AttributeError) as e:
-                missing.append(f"{path.relative_to(ROOT)}: {name}: {e}")
+        missing += _unresolved(_names(quoted), f"{path.relative_to(ROOT)}: ")
     assert missing == []
 
 
