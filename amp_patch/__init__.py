@@ -5,6 +5,8 @@
 See the README for the opt levels, the op lists and the apex.amp drop-in.
 """
 
+__version__ = "0.1.0"  # setup.cfg's version; first, so every module may import it
+
 from .errors import (
     AmpError,
     BannedOpError,
@@ -38,8 +40,6 @@ from .scaling import (
     unscale_,
 )
 from .diagnostics.report import plot, report, reset_stats
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AmpError",

@@ -9,6 +9,7 @@ never left half-patched.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -22,6 +23,7 @@ import torch
 import wrapt
 
 from . import diagnostics, inflight, oplists, session
+from .diagnostics.report import report_of
 from .diagnostics.stats import Ledger
 from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
@@ -34,6 +36,7 @@ from .properties import EXTRA_OPTIONS, Properties, resolve
 from .scaling import optimizer as optimizer_scaling
 from .scaling import state as scaling_state
 from .scaling import validate_options
+from .scaling.checkpoint import counters_of
 from .session import Session
 
 log = logging.getLogger("amp_patch")
@@ -174,7 +177,7 @@ def initialize(
             options in ``EXTRA_OPTIONS`` (loss scaler settings, ``keep_fp32``,
             ``collect_stats``, ``find_overflow``, ``fused_update`` (O2/O5:
             the optimizer step as one compiled pass per param group instead
-            of three; see ``amp_patch.scaling.fused``), ...).
+            of three; see ``amp_patch.precision.fused``), ...).
 
     Returns:
         ``(models, optimizers)`` in the structure they were given, or just the
@@ -411,9 +414,12 @@ def deinitialize() -> None:
 
 
 def _end(amp: Session) -> None:
-    """End a session: gradients a scaled backward left made true (or dropped), then every change undone."""
+    """End a session: gradients a scaled backward left made true (or dropped),
+    its figures kept for ``counters()`` and ``report()``, then every change undone."""
     try:
         scaling_state.settle(amp)
+        patched = collections.Counter(entry.policy for entry in (amp.table or {}).values())
+        session.set_ended(session.Ended(counters_of(amp), report_of(amp), dict(patched)))
     finally:
         amp.end()
 

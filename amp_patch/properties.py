@@ -51,6 +51,9 @@ EXTRA_OPTIONS = (
     "collect_stats", "find_overflow", "verbosity", "enabled", "fused_update", "allow_half_params",
 )
 
+#: ``initialize``'s own parameters: a misspelling of one lands among the overrides
+INITIALIZE_ARGS = ("models", "optimizers", "opt_level", "half_dtype", "lists")
+
 _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
@@ -136,7 +139,7 @@ def resolve(opt_level: Any, device_type: str, half_dtype: Any = None, **override
     if unknown:
         import difflib
 
-        known = OVERRIDES + EXTRA_OPTIONS
+        known = INITIALIZE_ARGS + OVERRIDES + EXTRA_OPTIONS
         hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, known, 1)) else "") for k in unknown]
         raise ConfigError(
             f"unknown option {', '.join(hints)} for initialize; apex.amp's overrides: {', '.join(OVERRIDES)}; "

@@ -154,12 +154,34 @@ class Session:
                 set_current(None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """The figures of the last session to end, taken as it ended: what
+    ``counters()`` and ``report()`` give after ``deinitialize``."""
+
+    counters: Dict[str, Any]
+    report: Any
+    #: how many torch functions its op lists patched, per policy (empty at O0/O2/O3/O5)
+    patched: Dict[str, int] = dataclasses.field(default_factory=dict)
+
+
 _current: Optional[Session] = None
+_ended: Optional[Ended] = None
 
 
 def current() -> Optional[Session]:
     """The running session, or None."""
     return _current
+
+
+def ended() -> Optional[Ended]:
+    """The last ended session's figures, or None before any session ended."""
+    return _ended
+
+
+def set_ended(figures: Ended) -> None:
+    global _ended
+    _ended = figures
 
 
 def set_current(state: Optional[Session]) -> None:

@@ -148,7 +148,7 @@ def main(argv=None):
         print(to_markdown(rows, half))
     else:
         print("\n".join(str(r) for r in rows))
-    path = "C fast path" if wrappers.fast is not None else f"no C fast path ({wrappers.FAST_UNAVAILABLE})"
+    path = "C fast path" if wrappers.fast else f"no C fast path ({wrappers.FAST_UNAVAILABLE})"
     print(f"torch {torch.__version__}, wrapt {wrapt.__version__} ({'C extension' if c_ext else 'pure Python'}), {path}, 1 thread")
     return rows
 

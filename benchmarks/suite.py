@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -38,6 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from workloads import APEX_MODES, MODES, Runner, build  # noqa: E402
+
+from amp_patch.frontends.demo import cpu_name  # noqa: E402
 
 WORKLOADS = ("simplenet", "transformer", "convnet", "smallops")
 GPU_WORKLOADS = ("gpt", "resnet")  # sized so an FP32 step takes well over 20 ms on a current GPU
@@ -260,7 +261,7 @@ def main(argv=None):
     for wl in args.workloads:
         print(f"[suite] {wl}: {args.rounds} rounds x {len(args.modes)} modes", flush=True)
         results[wl] = run_workload(wl, list(args.modes), args.device, half, args.rounds, args.block_seconds, args.scale, args.threads)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name()
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
     text = table(results, peak)
     blocks = ", ".join(f"{wl} {r['block']}" for wl, r in results.items())
     clock = "process CPU time" if args.threads == 1 and args.device == "cpu" else ("CUDA-event time" if args.device == "cuda" else "wall clock")
@@ -279,16 +280,6 @@ def main(argv=None):
     if not args.no_write:
         write_results(args.output, f"suite-{args.device}", header + "\n\n" + text + f"\n\nCommand: `{command}`")
     return results
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def write_results(path: str, key: str, body: str) -> None:

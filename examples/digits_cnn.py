@@ -5,7 +5,7 @@ scikit-learn itself (no download). The same CNN is trained twice from the same
 initial weights, in FP32 and with amp_patch (BF16 on the CPU, FP16 on CUDA),
 and both are scored on the same held-out quarter of the images.
 
-    pip install "amp_patch[examples]"      # scikit-learn
+    pip install -e '.[examples]'         # scikit-learn, in a checkout of amp_patch
     python examples/digits_cnn.py --epochs 8
 """
 import argparse

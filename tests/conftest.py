@@ -74,6 +74,15 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_ignore_collect(collection_path, config):
+    """A quick run (``-m quick``) does not import the test files that hold no
+    quick test: importing them (transformers, for one) costs seconds for nothing."""
+    if config.getoption("markexpr", "") == "quick" and collection_path.name.startswith("test_") \
+            and collection_path.suffix == ".py":
+        return "pytest.mark.quick" not in collection_path.read_text(encoding="utf-8") or None
+    return None
+
+
 def pytest_runtest_setup(item):
     if item.config.getoption("--skip-slow") and item.get_closest_marker("slow") is not None:
         pytest.skip("marked slow; run without --skip-slow to include it")

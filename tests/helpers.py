@@ -41,7 +41,7 @@ def unannotated(fn) -> str:
 
 def fast_path():
     """The C fast path's module; fails the test when it is not built."""
-    if wrappers.fast is None:
+    if not wrappers.fast:
         pytest.fail(f"the C fast path is not built: {wrappers.FAST_UNAVAILABLE}")
     return wrappers.fast
 

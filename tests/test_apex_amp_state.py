@@ -38,6 +38,7 @@ def test_amp_state_has_no_run_until_initialize():
         assert not hasattr(amp._amp_state, name), name
 
 
+@pytest.mark.quick
 def test_loss_scalers_are_a_live_view_that_scripts_can_set():
     model = mlp(4, 8, 1)
     model, opt = fp16_o1(model, sgd(model))
@@ -71,6 +72,7 @@ def test_setting_a_scale_on_an_inactive_scaler_switches_scaling_on():
     amp_patch.deinitialize()
 
 
+@pytest.mark.quick
 def test_opt_properties_speak_apexs_names():
     model = mlp(4, 8, 1)
     amp.initialize(model, sgd(model), opt_level="O2", half_dtype=f16, verbosity=0)
@@ -240,6 +242,7 @@ class Ext:
         return a @ b
 
 
+@pytest.mark.quick
 def test_init_patches_and_its_handle_scales_unscales_and_skips():
     before = Snapshot()
     model = mlp(4, 8, 1)

@@ -160,6 +160,7 @@ def fp16_o1(net):
         amp_patch.deinitialize()
 
 
+@pytest.mark.quick
 def test_state_dict_is_apexs_format(fp16_o1):
     sd = amp.state_dict()
     assert {"loss_scaler0", "loss_scaler1"} <= set(sd)
@@ -168,6 +169,7 @@ def test_state_dict_is_apexs_format(fp16_o1):
         assert int(sd[key]["unskipped"]) == 0
 
 
+@pytest.mark.quick
 def test_scale_loss_scales_and_counts_an_unskipped_step(fp16_o1):
     model, opt = fp16_o1
     loss = step_loss(model)
@@ -258,18 +260,22 @@ def test_alias_serves_apex_amp_when_apex_is_absent(clean_apex):
     assert len(announcements(clean_apex)) == 1
 
 
+@pytest.mark.quick
 def test_alias_names_the_replacement_of_apex_modules_it_does_not_serve(clean_apex):
     amp_patch.install_apex_alias()
     with pytest.raises(ModuleNotFoundError, match=r"apex.contrib.fmha.*scaled_dot_product_attention"):
         import apex.contrib.fmha  # noqa: F401
     with pytest.raises(ImportError, match=r"apex.RNN.*nn.LSTM"):
         from apex.RNN import LSTM  # noqa: F401
+    assert alias.replacement("apex.contrib.xentropy.SoftmaxCrossEntropyLoss").startswith(
+        "use torch.nn.functional.cross_entropy(logits, target, label_smoothing=smoothing, ignore_index=padding_idx)")
     import apex
 
     with pytest.raises(AttributeError, match=r"transformer.*tensor.parallel"):
         apex.transformer
 
 
+@pytest.mark.quick
 def test_alias_serves_every_stand_in_under_apexs_names(clean_apex):
     amp_patch.install_apex_alias()
     import amp_C

@@ -48,6 +48,7 @@ def test_check_script_finds_every_apex_name_served(name, capsys):
     assert "all served by amp_patch" in out and "NOT served" not in out
 
 
+@pytest.mark.quick
 def test_check_script_names_what_is_not_served_and_runs_nothing(tmp_path, capsys):
     marker = tmp_path / "ran"
     script = tmp_path / "s.py"

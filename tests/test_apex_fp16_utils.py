@@ -115,6 +115,7 @@ def test_star_import_and_signatures_match_apex():
 # ------------------------------------------------------------------ FP16_Optimizer training
 
 
+@pytest.mark.quick
 def test_training_loop_masters_match_a_hand_written_fp32_step():
     """Apex's loop (network_to_half, backward, clip_master_grads, step) with SGD
     + momentum: the FP32 masters follow a hand-written FP32 SGD step fed the
@@ -339,6 +340,7 @@ def old_dynamic_scales(init, factor, window, overflows):
     return out
 
 
+@pytest.mark.quick
 def test_dynamic_loss_scaler_rules():
     assert DynamicLossScaler().loss_scale == 2**32
     overflows = [False] * 7 + [True, True] + [False] * 10 + [True] + [False] * 4
@@ -543,6 +545,7 @@ def test_master_param_helpers_round_trip(flat_master):
         assert torch.equal(p.detach(), m.detach().reshape(p.shape).to(p.dtype))
 
 
+@pytest.mark.quick
 def test_conversion_helpers_dtypes():
     assert tofp16()(torch.ones(2, dtype=torch.float64)).dtype == f16
     ids = torch.tensor([1, 2, 3])

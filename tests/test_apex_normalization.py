@@ -54,6 +54,7 @@ def test_fused_layer_norm_is_nn_layer_norm(shape):
     assert torch.equal(fused.bias.grad, ref.bias.grad)
 
 
+@pytest.mark.quick
 def test_fused_rms_norm_is_rms_norm():
     norm = randomize(N.FusedRMSNorm((6, 8)))
     x = x_()
@@ -158,6 +159,7 @@ def test_under_autocast_everything_is_in_the_autocast_dtype():
 # ------------------------------------------------------------------ the functional forms
 
 
+@pytest.mark.quick
 def test_functional_forms():
     ln = randomize(N.FusedLayerNorm(8))
     w, b = ln.weight.detach(), ln.bias.detach()

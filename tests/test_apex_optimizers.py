@@ -235,6 +235,7 @@ def test_capturable_fused_adam_takes_the_grad_scaler_like_torch(how):
     assert int(opt.param_groups[0]["step"]) == (3 if how.get("overflow_at") is not None else 4)
 
 
+@pytest.mark.quick
 def test_fused_adam_state_and_groups_have_apex_layout():
     a = make_params()
     opt = FusedAdam(a)
@@ -301,6 +302,7 @@ def test_fused_sgd_half_params_keep_half_momentum():
 # ------------------------------------------------------------------ FusedAdagrad
 
 
+@pytest.mark.quick
 def test_fused_adagrad_is_torch_adagrad():
     a = make_params()
     opt = FusedAdagrad(a, lr=0.1, weight_decay=0.01, eps=1e-10)
@@ -590,6 +592,7 @@ def flag():
     return torch.zeros(1, dtype=torch.int)
 
 
+@pytest.mark.quick
 def test_multi_tensor_applier_forwards_to_the_op():
     seen = []
     out = multi_tensor_applier(lambda *args: seen.append(args) or "result", flag(), [[1]], 2.0, "x")
@@ -624,6 +627,7 @@ def test_multi_tensor_unscale_l2norm_leaves_the_tensors():
     assert same(ts, before)
 
 
+@pytest.mark.quick
 def test_multi_tensor_scale_writes_each_dst_dtype_and_flags_inf():
     srcs = [torch.randn(6, dtype=torch.float16), torch.randn(4)]
     dsts = [torch.empty(6), torch.empty(4, dtype=torch.bfloat16)]

@@ -362,6 +362,7 @@ def test_reducer_broadcasts_rank0_and_averages_on_reduce(ranks):
         assert torch.equal(r["tensors"][1], torch.full((2,), 5.0, dtype=torch.float64))
 
 
+@pytest.mark.quick
 def test_syncbn_without_a_process_group_is_plain_batchnorm():
     for momentum in (0.1, None):
         x = torch.randn(5, 4, 3, 3) * 2 + 1
@@ -382,6 +383,7 @@ def test_syncbn_without_a_process_group_is_plain_batchnorm():
         SyncBatchNorm(4)(torch.randn(4))
 
 
+@pytest.mark.quick
 def test_convert_syncbn_model_swaps_batchnorms_and_keeps_their_values():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=0.2, eps=1e-3), nn.ReLU(),
@@ -451,6 +453,7 @@ def test_larc_matches_a_hand_computed_step(clip):
     assert a.grad is None
 
 
+@pytest.mark.quick
 def test_larc_passes_state_and_param_groups_through():
     net = _mlp()
     opt = LARC(sgd(net, momentum=0.9))
@@ -468,6 +471,7 @@ def test_larc_passes_state_and_param_groups_through():
     assert "LARC(trust_coefficient=0.02, clip=True" in repr(opt) and "SGD" in repr(opt)
 
 
+@pytest.mark.quick
 def test_apex_parallel_names_and_layout():
     # `from apex.parallel import LARC` gives the module, as Apex's did; the class is LARC.LARC
     assert parallel.LARC.__name__ == "amp_patch.apex.parallel.LARC" and parallel.LARC.LARC is LARC

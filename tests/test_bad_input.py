@@ -61,6 +61,10 @@ ROWS = [
      ConfigError, r"opt_level='01' is not an opt level \(the letter O, not zero\)"),
     ("unknown-keyword", lambda m: amp_patch.initialize(m, _sgd(m), "O1", loss_scal=128),
      ConfigError, r"unknown option 'loss_scal' \(did you mean 'loss_scale'\?\)"),
+    ("misspelled-opt-level-keyword", lambda m: amp_patch.initialize(m, _sgd(m), opt_levl="O2"),
+     ConfigError, r"unknown option 'opt_levl' \(did you mean 'opt_level'\?\) for initialize"),
+    ("misspelled-half-dtype-keyword", lambda m: amp_patch.initialize(m, _sgd(m), "O1", half_dtyp="bfloat16"),
+     ConfigError, r"unknown option 'half_dtyp' \(did you mean 'half_dtype'\?\)"),
     ("model-not-a-module", lambda m: amp_patch.initialize("model.pt", _sgd(m), "O1"),
      ConfigError, r"models is a builtins\.str; initialize expects torch\.nn\.Module"),
     ("optimizer-is-a-generator", lambda m: amp_patch.initialize(m, m.parameters(), "O1"),
@@ -158,6 +162,7 @@ ORDER_ROWS = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name,call", ORDER_ROWS, ids=[r[0] for r in ORDER_ROWS])
 def test_calls_before_initialize_say_to_initialize_first(name, call):
     before = Snapshot()

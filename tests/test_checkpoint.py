@@ -120,6 +120,7 @@ def equal_trees(a, b, path="") -> list:
 # ------------------------------------------------------------------ state_dict
 
 
+@pytest.mark.quick
 def test_state_dict_is_fp32_from_the_masters_and_loads_into_a_plain_model():
     model, opt = trained_o2()
     try:
@@ -150,6 +151,7 @@ def test_save_dtype_chooses_what_the_state_dict_holds():
         amp_patch.deinitialize()
 
 
+@pytest.mark.quick
 def test_load_state_dict_after_initialize_sets_the_masters_exactly():
     source, _ = recipe["build"]()
     with torch.no_grad():

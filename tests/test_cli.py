@@ -129,7 +129,11 @@ def test_script_traceback_is_printed_as_python_prints_it(tmp_path, capsys, monke
     """)
     assert cli.main(["run", str(script)]) == 1
     err = capsys.readouterr().err
-    lines = err.splitlines()
+    every = err.splitlines()
+    # the launcher's own two lines: what it turned on, first; what ran, just before the traceback
+    ours = [i for i, line in enumerate(every) if line.startswith("amp-patch run: ")]
+    assert ours == [0, every.index("Traceback (most recent call last):") - 1]
+    lines = every[1:ours[1]] + every[ours[1] + 1:]
     assert lines[0] == "Traceback (most recent call last):"
     assert lines[1] == f'  File "{script}", line 4, in <module>'
     assert lines[-1] == "KeyError: 'missing column'"
@@ -143,7 +147,8 @@ def test_a_script_that_does_not_compile_is_reported_as_python_reports_it(tmp_pat
     want = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert cli.main(["run", str(script)]) == want.returncode == 1
     err = capsys.readouterr().err
-    got = [line for line in err.splitlines() if "AmpWarning" not in line and "sys.exit" not in line]
+    got = [line for line in err.splitlines()
+           if "AmpWarning" not in line and "sys.exit" not in line and not line.startswith("amp-patch run: ")]
     assert got == want.stderr.splitlines() and got[-1] == "SyntaxError: invalid syntax"
     assert not amp_patch.is_initialized()
 
@@ -151,6 +156,7 @@ def test_a_script_that_does_not_compile_is_reported_as_python_reports_it(tmp_pat
 # --------------------------------------------------------------------- lists
 
 
+@pytest.mark.quick
 def test_lists_table_shows_every_effective_op_with_its_source(capsys):
     assert cli.main(["lists", "--half-dtype", "bfloat16", "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -214,6 +220,7 @@ def test_lists_with_bad_input_exits_2(capsys, tmp_path):
 # --------------------------------------------------------------------- check
 
 
+@pytest.mark.quick
 def test_check_prints_every_problem_with_file_line_and_nearest_name(capsys, tmp_path):
     bad = write(tmp_path, "bad.yaml", """\
         torch.nn.functional:
@@ -391,3 +398,90 @@ def test_lists_names_the_op_an_inplace_form_follows(capsys):
     rows = {tuple(line.split()[:2]): line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")}
     exp = oplists.load().resolve(torch.float16, "cuda")[("torch.Tensor", "exp")]
     assert rows[("torch.Tensor", "exp_")].split()[2:] == ["float", "default", exp.source, "in-place", "form", "of", "exp"]
+
+
+# ------------------------------------------------ what the launcher says it did
+
+
+TRAIN = """\
+import torch
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).float().pow(2).mean().backward()
+    opt.step()
+"""
+
+
+def _ours(err):
+    return [line for line in err.splitlines() if line.startswith("amp-patch run: ")]
+
+
+@pytest.mark.quick
+def test_run_says_what_it_turned_on_and_what_ran(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AMP_PATCH_HALF_DTYPE", "bfloat16")
+    script = write(tmp_path, "train.py", TRAIN)
+    assert cli.main(["run", "--opt-level", "O1", str(script)]) == 0
+    banner, summary = _ours(capsys.readouterr().err)
+    assert banner == ("amp-patch run: O1 (from --opt-level; torch functions cast), half dtype bfloat16 (from "
+                      "AMP_PATCH_HALF_DTYPE), no loss scaling (static 1.0, bfloat16 needs none)")
+    table = oplists.load().resolve(torch.bfloat16, "cpu")
+    n = len(table)
+    assert summary.startswith(
+        "amp-patch run: done: O1 in bfloat16, set by the launcher; 3 steps taken, 0 skipped; final loss scale 1 "
+        f"(static); ops cast: {n} torch functions patched (")
+    counts = dict(part.rsplit(" ", 1) for part in summary[summary.rindex("(") + 1:-1].split(", "))
+    assert {k: int(v) for k, v in counts.items()} == {
+        p: sum(1 for e in table.values() if e.policy == p) for p in {e.policy for e in table.values()}}
+
+
+def test_run_names_defaults_and_the_scripts_own_initialize(tmp_path, capsys):
+    script = write(tmp_path, "apex_train.py", """\
+        import torch
+        from apex import amp
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+        for _ in range(2):
+            opt.zero_grad()
+            with amp.scale_loss(model(torch.randn(8, 4)).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+    """)
+    assert cli.main(["run", "--half-dtype", "float16", "--loss-scale", "dynamic", str(script)]) == 0
+    banner, summary = _ours(capsys.readouterr().err)
+    assert banner == ("amp-patch run: O1 (default; torch functions cast), half dtype float16 (from --half-dtype), "
+                      "dynamic loss scaling (from --loss-scale); apex_train.py:5 calls amp.initialize itself, and "
+                      "its opt level and loss scale replace these from there")
+    assert summary == ("amp-patch run: done: O2 in float16, set by the script's own initialize; 2 steps taken, "
+                       "0 skipped; final loss scale 65536 (dynamic); ops cast: none patched, the model itself is float16")
+
+
+@pytest.mark.quick
+def test_run_quiet_says_nothing_of_its_own(tmp_path, capsys):
+    script = write(tmp_path, "train.py", TRAIN)
+    assert cli.main(["run", "--quiet", "--opt-level", "O4", str(script)]) == 0
+    assert _ours(capsys.readouterr().err) == []
+    assert cli.main(["run", "--opt-level", "O0", str(script)]) == 0
+    assert _ours(capsys.readouterr().err) == ["amp-patch run: O0 (from --opt-level; FP32, nothing cast)",
+                                              "amp-patch run: done: no mixed-precision run (nothing to do at O0)"]
+
+
+def test_run_summary_comes_before_the_scripts_exit(tmp_path, capsys):
+    script = write(tmp_path, "leave.py", TRAIN + "import sys\nsys.exit(4)\n")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--opt-level", "O4", str(script)])
+    assert info.value.code == 4
+    assert _ours(capsys.readouterr().err)[1].startswith("amp-patch run: done: O4 in bfloat16, set by the launcher; 3 steps taken")
+
+
+@pytest.mark.quick
+def test_version_names_amp_patch_torch_python_and_the_fast_path(capsys):
+    assert cli.main(["--version"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"amp-patch {amp_patch.__version__} ({os.path.dirname(amp_patch.__file__)})"
+    assert lines[1].startswith(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+    assert lines[2].startswith("the C fast path is in use" if amp_patch.patching.wrappers.fast else "the C fast path is not in use")
+    cfg = (REPO / "setup.cfg").read_text()
+    assert f"version = {amp_patch.__version__}\n" in cfg  # one version, said twice

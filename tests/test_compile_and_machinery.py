@@ -254,6 +254,7 @@ def test_eager_debug_backend_keeps_the_policy(dynamo):
     assert out.dtype == bf16
 
 
+@pytest.mark.quick
 def test_wrapper_kept_by_other_code_is_inert_after_deinitialize():
     a, b = torch.randn(3, 3), torch.randn(3, 3)
     p, t = torch.rand(4), torch.rand(4)

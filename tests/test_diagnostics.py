@@ -131,6 +131,30 @@ def test_optimizer_parameters_outside_the_models_warn_at_o1():
     assert not [m for m in msgs if "optimizer 0" in m]
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_an_optimizer_over_part_of_a_master_weights_model_names_the_rest(level):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    model[2].weight.requires_grad_(False)  # frozen on purpose: not named
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    try:
+        msgs, _ = _init_and_collect(model, opt, opt_level=level, half_dtype=bf16)
+    finally:
+        amp_patch.deinitialize()
+    assert [m for m in msgs if "cover" in m] == [
+        f"amp_patch: the optimizers given to initialize cover 2 of the 5 trainable parameters of model 0 "
+        f"(Sequential); 1.weight, 1.bias, 2.bias are in none of them, so at {level} they stay bfloat16 with no FP32 "
+        f"master and no step updates them. Pass every optimizer that trains the model (initialize(model, [opt1, "
+        f"opt2], ...)), or set requires_grad=False on what you mean to freeze."
+    ]
+    whole = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        msgs, _ = _init_and_collect(model, whole, opt_level=level, half_dtype=bf16)
+    finally:
+        amp_patch.deinitialize()
+    assert not [m for m in msgs if "cover" in m]
+
+
 def _o3_adamw_step(eps, level="O3", half=f16):
     """One AdamW step of an initialized model whose second weight gets no gradient."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
@@ -162,6 +186,7 @@ def test_no_eps_warning_where_eps_survives_or_masters_are_fp32(eps, level, half)
     assert finite and not [m for m in msgs if "eps" in m]
 
 
+@pytest.mark.quick
 def test_functions_captured_before_initialize_are_named(tmp_path, monkeypatch):
     (tmp_path / "captured_mod.py").write_text(textwrap.dedent("""
         import torch.nn.functional as F           # a module: fine
@@ -406,6 +431,7 @@ def test_nothing_non_finite_seen(fp16_run):
     assert "find_overflow saw no non-finite op output or gradient since it was armed" in msgs[0]
 
 
+@pytest.mark.quick
 def test_find_overflow_arms_one_step_then_disarms():
     model = _one_layer(3000.0)
     amp_patch.initialize(model, opt_level="O1", half_dtype=f16, verbosity=0)
@@ -477,6 +503,7 @@ def test_find_overflow_needs_initialize():
         amp_patch.find_overflow()
 
 
+@pytest.mark.quick
 def test_a_step_the_loss_scaler_skips_is_explained():
     model = _one_layer(3000.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -23,7 +23,7 @@ import wrapt
 import amp_patch
 from amp_patch import session
 from amp_patch.patching import wrappers
-from helpers import HAS_C_COMPILER, fast_path
+from helpers import HAS_C_COMPILER, amp, fast_path
 
 bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
@@ -45,12 +45,28 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_the_c_fast_path_is_built_where_a_compiler_is():
     if not HAS_C_COMPILER:
         pytest.skip("no C compiler on this machine: amp_patch runs its pure-Python wrappers")
-    assert wrappers.fast is not None, (
+    assert wrappers.fast, (
         f"a C compiler is here but amp_patch.patching._fastpath is not importable ({wrappers.FAST_UNAVAILABLE}); "
         f"reinstall with `pip install -e .` to build it"
     )
 
 
+@pytest.mark.quick
+def test_printing_fast_says_in_words_which_wrappers_run(monkeypatch):
+    if wrappers.fast:
+        assert str(wrappers.fast) == (f"the C fast path is in use: patched ops make their common call in C "
+                                      f"({wrappers.fast.__file__})")
+        assert wrappers.fast.FastOpWrapper  # still the module
+    off = wrappers.NoFastPath("AMP_PATCH_PURE_PYTHON is set")
+    assert not off
+    assert str(off) == ("the C fast path is not in use: patched ops run the pure-Python wrappers, slower per call "
+                        "(AMP_PATCH_PURE_PYTHON is set)")
+    monkeypatch.setattr(wrappers, "fast", off)
+    with amp(None, None, "O4"):
+        assert type(torch.mm).__name__ == "OpWrapper"  # initialize builds the Python wrappers
+
+
+@pytest.mark.quick
 def test_c_wrappers_are_wrapt_function_wrappers(o4):
     mm, add = torch.mm, vars(torch.Tensor)["__add__"]
     fast = o4 == "c"
@@ -276,7 +292,7 @@ def test_pure_python_environment_variable():
         "import torch, amp_patch\n"
         "from amp_patch.patching import wrappers\n"
         "amp_patch.initialize(None, None, 'O4', verbosity=0)\n"
-        "print(wrappers.fast is None, type(torch.mm).__name__, torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype)\n"
+        "print(not wrappers.fast, type(torch.mm).__name__, torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype)\n"
     )
     env = dict(os.environ, AMP_PATCH_PURE_PYTHON="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -342,7 +358,7 @@ def test_wrapt_without_its_c_extension_still_patches_correctly_and_says_what_it_
         "amp_patch.deinitialize()\n"
         "same = all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))\n"
         "left = [k for n, o in NAMESPACES.items() for k in set(vars(o)) | set(before[n]) if vars(o).get(k) is not before[n].get(k)]\n"
-        "print(wrappers.fast is None, same, left)\n"
+        "print(not wrappers.fast, same, left)\n"
     )
     env = dict(os.environ, WRAPT_DISABLE_EXTENSIONS="1")
     out = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True, timeout=300)

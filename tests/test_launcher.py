@@ -45,6 +45,7 @@ def test_settings_default_is_o1_with_nothing_else():
     assert Settings.resolve() == Settings("O1", None, None, ())
 
 
+@pytest.mark.quick
 def test_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("AMP_PATCH_OPT_LEVEL", "o4")
     monkeypatch.setenv("AMP_PATCH_HALF_DTYPE", "bf16")
@@ -93,6 +94,7 @@ def test_bad_lists_are_reported_before_anything_starts(tmp_path, monkeypatch):
 # ------------------------------------------------------------ optimizer hook
 
 
+@pytest.mark.quick
 def test_hook_fires_once_per_optimizer_after_the_whole_constructor():
     built = []
 
@@ -159,6 +161,7 @@ def test_hook_skips_a_failed_constructor_and_keeps_working():
 # ------------------------------------------------------------ model discovery
 
 
+@pytest.mark.quick
 def test_owning_model_is_the_top_level_module():
     model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
     assert owning_model(torch.optim.SGD(model.parameters(), lr=0.1)) is model
@@ -221,6 +224,7 @@ def probe(tmp_path):
     return write(tmp_path, "probe.py", PROBE)
 
 
+@pytest.mark.quick
 def test_run_sets_up_main_like_python(probe, adopted):
     argv, path, original = list(sys.argv), list(sys.path), F.linear
     args = ["--opt-level", "O2", "--", "x y", "-h"]
@@ -316,6 +320,7 @@ def test_a_launched_run_gets_the_set_up_warnings_too(tmp_path, adopted, monkeypa
     assert len([w for w in rec if "without native BF16" in str(w.message)]) == 1
 
 
+@pytest.mark.quick
 def test_the_scripts_own_initialize_wins_without_double_patching(tmp_path, adopted):
     own = "model, optimizer = amp_patch.initialize(model, optimizer, opt_level='O1', verbosity=0)"
     script = write(tmp_path, "train.py", TRAIN.format(own=own))
@@ -344,6 +349,7 @@ def test_apex_enabled_false_in_the_script_turns_the_launcher_off(tmp_path, adopt
     assert out["state"] is None and out["out"].dtype == torch.float32
 
 
+@pytest.mark.quick
 def test_o2_attaches_to_the_first_model_optimizer_pair(tmp_path, adopted):
     body = TRAIN.format(own="").replace("later = torch.optim.Adam(model.parameters())", "")
     script = write(tmp_path, "train2.py", body + "    weight_dtype = model[0].weight.dtype\n")

@@ -167,6 +167,7 @@ def test_bad_keep_fp32_is_refused_with_a_suggestion_and_nothing_changes():
 # ------------------------------------------------------------------ hooks
 
 
+@pytest.mark.quick
 def test_inputs_are_cast_and_outputs_come_back_fp32_or_as_asked():
     seen = {}
     model = mlp()
@@ -230,6 +231,7 @@ def test_torch_compile_runs_the_converted_model():
 # ------------------------------------------------------------------ masters
 
 
+@pytest.mark.quick
 def test_masters_hold_the_exact_fp32_values_and_the_model_keeps_its_parameters():
     model = mlp()
     before = [(p, p.detach().clone()) for p in model.parameters()]
@@ -388,6 +390,7 @@ def test_module_zero_grad_also_works_between_steps():
         assert all(torch.equal(p, q) for p, q in zip(amp_patch.master_params(oa), amp_patch.master_params(ob)))
 
 
+@pytest.mark.quick
 def test_accumulation_happens_in_fp32_masters():
     def micro_batches(keep_each):
         model = mlp()
@@ -454,6 +457,7 @@ def test_models_already_holding_half_parameters_get_fp32_masters():
     assert model[2].weight.dtype == f16, "a parameter goes back to the dtype it had"
 
 
+@pytest.mark.quick
 def test_deinitialize_brings_fp32_master_values_back_and_training_continues():
     model = mlp()
     params = list(model.parameters())

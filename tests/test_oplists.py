@@ -15,6 +15,7 @@ from amp_patch import oplists
 from amp_patch.oplists import collect_problems, default_files, load
 
 
+@pytest.mark.quick
 def test_defaults_load_and_cover_every_namespace():
     table = load()
     namespaces = {e.namespace for e in table.entries}
@@ -62,6 +63,7 @@ def test_invalid_override_raises_naming_entry_and_fix(override, fragment):
     assert snapshot.changed() == []
 
 
+@pytest.mark.quick
 def test_file_errors_name_file_and_line(tmp_path):
     bad = tmp_path / "lists.yaml"
     bad.write_text("torch.nn.functional:\n  float:\n    - linear\n    - sofmax\n")
@@ -131,6 +133,7 @@ def test_remove_is_only_for_overrides_and_removes_everywhere():
     assert not [e for e in table.entries if e.qualname == "torch.mm"]
 
 
+@pytest.mark.quick
 def test_override_moves_op_between_policies():
     table = load({"torch.nn.functional": {"float": ["linear"]}, "torch": {"half": ["cumsum"]}})
     resolved = table.resolve(torch.bfloat16)
@@ -148,6 +151,7 @@ def test_env_var_overrides(tmp_path, monkeypatch):
     assert resolved[("torch.nn.functional", "linear")].source.startswith(str(f))
 
 
+@pytest.mark.quick
 def test_conditions_pick_policy_by_dtype():
     table = load()
     fp16 = table.resolve(torch.float16)

@@ -340,6 +340,7 @@ def assert_same_outcome(got: Outcome, want: Outcome, where: str) -> None:
 # ------------------------------------------------------------------ coverage of the samples
 
 
+@pytest.mark.quick
 def test_every_listed_op_has_a_sample():
     missing = [f for f in FORMS if op_samples.lookup(f) is None]
     assert not missing, (
@@ -843,6 +844,7 @@ def test_promotion_table(form, dname, o1):
             assert got.value.dtype == ordinary_result(a, b), f"{where}: result is {got.value.dtype}"
 
 
+@pytest.mark.quick
 def test_promotion_tables_cover_the_ordinary_ops():
     # The spec check above runs only for forms in ORDINARY_PROMOTION; make sure they are tested.
     tested = {f for f, _ in OUT_OF_PLACE_PROMOTE}

@@ -201,3 +201,24 @@ def test_the_shipped_lists_are_parsed_once_per_process():
     first, second = L.load(), L.load()
     assert first.entries == second.entries
     assert L._shipped.cache_info().misses == 1 and L._shipped.cache_info().hits == 1
+
+
+@pytest.mark.slow
+def test_the_quick_run_reaches_every_subpackage(tmp_path):
+    """``python -m pytest -q -m quick`` (the README's quick local run) runs code
+    of every subpackage of amp_patch and of its core modules (the shipped lists
+    are data, which oplists' code loads)."""
+    out = tmp_path / "ran.txt"
+    env = dict(os.environ, AMP_PATCH_TRACE_OUT=str(out),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH")])))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "quick", "-p", "quick_trace", "-p", "no:cacheprovider"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ran = {Path(p).resolve() for p in out.read_text().split()}
+    package = ROOT / "amp_patch"
+    reached = {p.relative_to(package).parts[0] if len(p.relative_to(package).parts) > 1 else "core"
+               for p in ran if package in p.parents}
+    subpackages = {d.name for d in package.iterdir() if (d / "__init__.py").exists()} | {"core"}
+    assert subpackages - reached == set()
+    nested = {d.relative_to(package).as_posix() for d in package.glob("*/*") if (d / "__init__.py").exists()}
+    assert {n for n in nested if not any(package / n in p.parents for p in ran)} == set()  # apex.parallel, apex.fp16_utils

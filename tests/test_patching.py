@@ -57,6 +57,7 @@ def test_roundtrip_restores_every_namespace_exactly(half):
         assert not changed, (name, changed)
 
 
+@pytest.mark.quick
 def test_deinitialize_when_nothing_patched_is_a_noop():
     before = Snapshot()
     amp_patch.deinitialize()
@@ -128,6 +129,7 @@ def test_o1_linear_runs_in_half_and_matches_hand_cast(o1, half):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.quick
 def test_o4_is_bf16_and_default_on_cpu_is_bf16():
     amp_patch.initialize(None, None, "O4")
     try:
@@ -293,6 +295,7 @@ def test_torch_internal_inplace_ops_on_half_tensors_run_as_under_autocast(o1):
     assert got.dtype == torch.float16 and torch.equal(got, want)
 
 
+@pytest.mark.quick
 def test_banned_op_raises_not_implemented_under_fp16_and_runs_fp32_under_bf16():
     p, t = torch.rand(4), torch.rand(4)
     amp_patch.initialize(None, None, "O1", half_dtype="float16")
@@ -346,6 +349,7 @@ def test_disable_casts_is_per_thread(o1):
     assert other == [torch.float16]
 
 
+@pytest.mark.quick
 def test_weight_cast_cache_hits_and_invalidates_on_inplace_edit():
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4)
@@ -478,6 +482,7 @@ def test_meta_model_is_refused():
         amp_patch.initialize(m, None, "O1")
 
 
+@pytest.mark.quick
 def test_failure_half_way_through_patching_undoes_everything(monkeypatch):
     from amp_patch import frontend
 
@@ -499,6 +504,7 @@ def test_failure_half_way_through_patching_undoes_everything(monkeypatch):
     assert before.changed() == [] and not amp_patch.is_initialized()
 
 
+@pytest.mark.quick
 def test_register_functions_and_decorators():
     import types
 

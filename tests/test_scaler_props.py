@@ -111,6 +111,7 @@ def test_skips_at_min_counts_only_overflows_at_the_floor(found_seq):
         assert s.skips_at_min == at_min_run
 
 
+@pytest.mark.quick
 def test_static_one_is_inactive():
     assert not LossScaler(1.0).active
     assert LossScaler("dynamic").active and LossScaler(2.0).active
@@ -155,6 +156,7 @@ def test_apex_state_loads_and_bad_state_is_refused():
     assert (s.scale, s.growth_tracker) == (1024.0, 7)
 
 
+@pytest.mark.quick
 def test_history_is_bounded():
     from amp_patch.scaling import scaler as mod
 

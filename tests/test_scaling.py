@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_patch
-from amp_patch import scaling
+from amp_patch import scaling, session
 from amp_patch.errors import ConfigError, OverflowLoopError, StateError
 from helpers import amp, batch, destroy_process_group
 
@@ -58,6 +58,7 @@ def same(a, b):
 # ------------------------------------------------------------------ scale_loss
 
 
+@pytest.mark.quick
 def test_scale_loss_yields_the_scaled_float_loss_and_true_gradients_follow():
     model, ref = Scale(), Scale()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -95,6 +96,7 @@ def test_plain_backward_is_scaled_exactly_like_scale_loss():
     assert scales[:3] == [2.0**16, 2.0**14, 2.0**12]
 
 
+@pytest.mark.quick
 def test_overflow_skips_the_step_and_matches_fp32_without_that_step():
     model, ref = Scale(), Scale()
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -266,6 +268,7 @@ def test_patched_backward_leaves_other_calls_alone(how):
     assert same(grads, [p.grad for p in ref.parameters()])
 
 
+@pytest.mark.quick
 def test_unscale_is_idempotent_and_the_step_does_not_unscale_again():
     model, ref = Scale(), Scale()
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -528,7 +531,8 @@ def test_state_dict_is_apex_shaped_and_apex_checkpoints_load():
             amp_patch.load_state_dict(dict(amp_patch.state_dict(), amp_patch={"opt_level": "O1"}))
 
 
-def test_calls_in_the_wrong_order_raise_state_errors():
+def test_calls_in_the_wrong_order_raise_state_errors(monkeypatch):
+    monkeypatch.setattr(session, "_ended", None)  # before any run (after one, counters() gives its figures)
     model = Scale()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for call in (lambda: amp_patch.state_dict(), lambda: amp_patch.load_state_dict({}),
@@ -653,6 +657,7 @@ def test_found_inf_is_all_reduced_once_per_step_under_torch_distributed(gloo, mo
     assert [c.tolist() for c in calls] == [[0.0], [1.0], [0.0]]
 
 
+@pytest.mark.quick
 def test_each_optimizer_moves_through_the_documented_stages_and_an_illegal_move_is_refused():
     from amp_patch.scaling.state import Stage
 

@@ -28,6 +28,7 @@ def _pair():
     return m, torch.optim.SGD(m.parameters(), lr=0.1)
 
 
+@pytest.mark.quick
 def test_a_later_initialize_converts_its_own_models_with_its_own_options():
     # Before, the second call's options were checked and dropped: its model was
     # converted with the first call's keep_fp32 (which named a module it does

@@ -15,6 +15,7 @@ import amp_patch
 from helpers import batch
 from amp_patch import session
 from amp_patch.patching import modes
+from amp_patch import AmpWarning
 from amp_patch.errors import StateError
 
 B, D_IN, D_OUT = 4, 8, 4
@@ -66,6 +67,7 @@ def _data():
     return batch(0, D_IN, D_OUT, rows=B, seed=1)
 
 
+@pytest.mark.quick
 def test_ledger_counts_calls_dtypes_casts_and_bytes(amp_run):
     model, opt = amp_run
     x, y = _data()
@@ -146,6 +148,7 @@ def test_unlisted_ops_are_fp32_ops_on_eligible_inputs_that_no_list_covers(amp_ru
     assert not any(q.endswith(".view") for q in unlisted)
 
 
+@pytest.mark.quick
 def test_report_str_groups_by_policy_and_sorts_by_calls(amp_run):
     model, opt = amp_run
     x, y = _data()
@@ -245,9 +248,15 @@ def test_a_users_mode_entered_later_survives_deinitialize():
     assert torch._C._len_torch_function_stack() == 0
 
 
-def test_report_and_reset_need_initialize():
-    with pytest.raises(StateError, match=r"amp_patch.report\(\) needs a running AMP"):
+def test_report_and_reset_need_initialize(monkeypatch):
+    monkeypatch.setattr(session, "_ended", None)  # no run has ended in this process
+    with pytest.raises(StateError, match=r"amp_patch.report\(\) has no run to report on yet: call it after "
+                                         r"amp_patch.initialize"):
         amp_patch.report()
+    with pytest.raises(StateError, match=r"amp_patch.counters needs amp_patch.initialize"):
+        amp_patch.counters()
+    with pytest.raises(StateError, match=r"amp_patch.plot\(\) has no run to draw yet"):
+        amp_patch.plot("never.png")
     with pytest.raises(StateError, match=r"amp_patch.reset_stats\(\) needs a running AMP"):
         amp_patch.reset_stats()
 
@@ -324,34 +333,34 @@ def test_plot_writes_a_png(amp_run, tmp_path):
     assert (width, height) == (800, 500)
 
 
-def test_plot_without_history_says_when_to_call_it(amp_run, tmp_path):
+def test_plot_before_any_step_says_why_it_has_nothing_to_draw(amp_run, tmp_path):
     pytest.importorskip("matplotlib")
-    amp = session.current()
-    amp.scalers.append(_Scaler([]))
-    try:
-        with pytest.raises(StateError, match="no loss-scale history yet"):
-            amp_patch.plot(tmp_path / "x.png")
-    finally:
-        amp.scalers.pop()
-    assert not (tmp_path / "x.png").exists()
+    with pytest.warns(AmpWarning, match=r"amp_patch.plot\(\): nothing to draw in .*x.png: no optimizer step yet"):
+        out = amp_patch.plot(tmp_path / "x.png")
+    assert out == str(tmp_path / "x.png") and (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_plot_of_a_run_that_scales_no_loss_says_so(amp_run, tmp_path):
+@pytest.mark.quick
+def test_plot_of_a_run_that_scales_no_loss_draws_its_steps(amp_run, tmp_path):
     pytest.importorskip("matplotlib")
     model, opt = amp_run  # BF16: no loss scaling
     x, y = _data()
-    _step(model, opt, x, y)
-    with pytest.raises(StateError, match=r"this run scales no loss \(torch.bfloat16, loss scale 1.0\), so it has no "
-                                         r"loss-scale history to plot; amp_patch.counters\(\) has its steps"):
+    for _ in range(3):
+        _step(model, opt, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # something to draw: no warning
         amp_patch.plot(tmp_path / "x.png")
-    assert not (tmp_path / "x.png").exists()
+    assert (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
+    s = amp_patch.report().loss_scale[0]
+    assert s["history"] == [[0, 1.0, False], [1, 1.0, False], [2, 1.0, False]]
+    assert "loss 0: 3 steps, 0 skipped; scale 1 now (min 1, max 1) (static: no loss scaling, bfloat16 needs none)" in str(amp_patch.report())
 
 
 def test_plot_without_matplotlib_names_the_extra(amp_run, tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    with pytest.raises(ImportError, match=r"pip install 'amp_patch\[plot\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '.\[plot\]' in a checkout of amp_patch, or pip install matplotlib"):
         amp_patch.plot(tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
 

@@ -84,6 +84,7 @@ def test_patched_ops_from_many_threads_match_single_thread_hand_casts(o1, half):
     _run_threads(work)
 
 
+@pytest.mark.quick
 def test_disable_casts_in_one_thread_does_not_reach_the_others(o1):
     o1(torch.float16)
     x = torch.randn(4, 4)

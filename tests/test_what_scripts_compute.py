@@ -154,6 +154,7 @@ def test_scale_loss_leaves_foreign_leaves_unscaled_too():
         torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_bf16_backward_touches_no_gradient():
     """BF16 has no loss scale: the walk never runs, gradients are autograd's."""
     model = _net(0, 4, 3)
@@ -261,6 +262,7 @@ def test_fixmatch_ema_of_an_o2_model_follows_the_fp32_weights(level):
             torch.testing.assert_close(ema.ema.state_dict()[k], expected[k], rtol=0, atol=0)
 
 
+@pytest.mark.quick
 def test_a_deep_copy_is_a_plain_fp32_model_with_the_masters_values():
     model, opt = _o2()
     with amp(model, opt, "O2"):

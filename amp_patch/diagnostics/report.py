@@ -4,7 +4,7 @@
 scaler's history of ``(step, scale, skipped)`` and the last overflow
 provenance into one ``Report``: ``str()`` is a table for people,
 ``to_dict()`` the same for programs. ``plot(path)`` draws the loss-scale
-histories with matplotlib, the optional extra ``amp_patch[plot]``.
+histories with matplotlib, the optional extra ``plot``.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import session
 from ..errors import StateError
+from .notices import warn_user
 from .overflow import history_entry, last_overflow
 from .stats import dtype_name
 
@@ -43,11 +44,6 @@ def read_history(scaler: Any) -> Optional[History]:
     if raw is None:
         return None
     return [e for e in map(history_entry, list(raw)) if e is not None]
-
-
-def scale_histories(amp: Any) -> List[Tuple[int, History]]:
-    """``(loss_id, [(step, scale, skipped), ...])`` for every loss scaler."""
-    return [(loss_id, rows) for loss_id, rows, _ in _scalers(amp)]
 
 
 def _scalers(amp: Any) -> List[Tuple[int, History, Optional[float]]]:
@@ -171,9 +167,11 @@ class Report:
             if skipped:
                 shown = ", ".join(str(x) for x in skipped[:8]) + (", ..." if len(skipped) > 8 else "")
                 where = f" (step {shown})"
+            static = " (static: no loss scaling, bfloat16 needs none)" if (
+                s["min_scale"] == s["max_scale"] == 1.0 and self.half_dtype == "bfloat16") else ""
             lines.append(
                 f"  loss {s['loss_id']}: {s['steps']} steps, {s['skipped']} skipped{where}; "
-                f"scale {_num(s['scale'])} now (min {_num(s['min_scale'])}, max {_num(s['max_scale'])})"
+                f"scale {_num(s['scale'])} now (min {_num(s['min_scale'])}, max {_num(s['max_scale'])}){static}"
             )
         return lines
 
@@ -227,7 +225,8 @@ def report() -> Report:
     """What the running AMP did: per-op ledger, loss-scale history, overflows.
 
     The op table needs ``initialize(..., collect_stats=True)``; the loss-scale
-    summary and the last overflow provenance are always there.
+    summary and the last overflow provenance are always there. After
+    ``deinitialize`` it is the last run's report, as that run ended.
 
     Returns:
         a ``Report``: ``print()`` it for a table (ops grouped by policy, most
@@ -235,7 +234,7 @@ def report() -> Report:
         ``.to_dict()`` for plain values.
 
     Raises:
-        StateError: amp_patch is not initialized.
+        StateError: no run has started yet.
 
     Example::
 
@@ -247,7 +246,17 @@ def report() -> Report:
         print(amp_patch.report())
         calls = amp_patch.report().to_dict()["ops"]["torch.nn.functional.linear"]["calls"]
     """
-    amp = _current("report")
+    amp = session.current()
+    if amp is not None:
+        return report_of(amp)
+    last = session.ended()
+    if last is None:
+        raise StateError("amp_patch.report() has no run to report on yet: call it after amp_patch.initialize(...)")
+    return last.report
+
+
+def report_of(amp: Any) -> Report:
+    """``report()`` of the session ``amp``."""
     ledger = amp.ledger.to_dict() if amp.ledger is not None else {}
     props = amp.props
     return Report(
@@ -284,11 +293,16 @@ def reset_stats() -> None:
     amp.ledger.reset()
 
 
-PLOT_EXTRA_HINT = "pip install 'amp_patch[plot]'"
+PLOT_EXTRA_HINT = "pip install -e '.[plot]' in a checkout of amp_patch, or pip install matplotlib"
 
 
 def plot(path: "str | os.PathLike[str]") -> str:
     """Write a PNG of each loss scaler's scale and skipped steps over steps.
+
+    Draws the running AMP's loss scalers (after ``deinitialize``, the last
+    run's). A run that scales no loss (BF16) draws its static scale of 1.0
+    over the steps it took. With no step yet there is nothing to draw: the
+    PNG says so, and so does an ``AmpWarning``.
 
     Args:
         path: where to write the PNG.
@@ -297,8 +311,9 @@ def plot(path: "str | os.PathLike[str]") -> str:
         the path written, as a string.
 
     Raises:
-        ImportError: matplotlib is missing (``pip install 'amp_patch[plot]'``).
-        StateError: amp_patch is not initialized, or no scaler has a step yet.
+        ImportError: matplotlib is missing (``pip install -e '.[plot]'`` in a
+            checkout of amp_patch, or ``pip install matplotlib``).
+        StateError: no run has started yet.
 
     Example::
 
@@ -306,7 +321,6 @@ def plot(path: "str | os.PathLike[str]") -> str:
         train()
         amp_patch.plot("loss_scale.png")
     """
-    amp = _current("plot")
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -314,23 +328,19 @@ def plot(path: "str | os.PathLike[str]") -> str:
         raise ImportError(
             f"amp_patch.plot() draws with matplotlib, which is not installed; install the extra: {PLOT_EXTRA_HINT}"
         ) from None
-    histories = [(i, rows) for i, rows in scale_histories(amp) if rows]
-    scalers = getattr(amp, "scalers", None) or ()
-    if not histories and scalers and not any(getattr(s, "active", True) for s in scalers):
-        raise StateError(
-            f"amp_patch.plot(): this run scales no loss ({amp.props.half_dtype}, loss scale "
-            f"{amp.props.loss_scale}), so it has no loss-scale history to plot; amp_patch.counters() "
-            f"has its steps"
-        )
-    if not histories:
-        raise StateError(
-            "amp_patch.plot() found no loss-scale history yet: call it after some optimizer steps "
-            "(each step adds a point)"
-        )
+    if session.current() is None and session.ended() is None:
+        raise StateError("amp_patch.plot() has no run to draw yet: call it after amp_patch.initialize(...) and some steps")
+    rep = report()
+    histories = [(s["loss_id"], s["history"]) for s in rep.loss_scale if s["history"]]
     # Figure + Agg canvas rather than pyplot: no global backend or figure state.
     fig = Figure(figsize=(8, 5), layout="constrained")
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": (3, 1)})
+    title = f"amp_patch loss scale ({rep.opt_level}, {rep.half_dtype})"
+    if not histories:
+        why = "no optimizer step yet (each step adds a point)" if rep.loss_scale else "this run has no loss scaler"
+        top.text(0.5, 0.5, f"nothing to draw: {why}", ha="center", va="center", transform=top.transAxes)
+        warn_user(f"amp_patch.plot(): nothing to draw in {os.fspath(path)}: {why}")
     for loss_id, rows in histories:
         steps = [r[0] for r in rows]
         line = top.step(steps, [r[1] for r in rows], where="post", label=f"loss {loss_id}")[0]
@@ -338,10 +348,14 @@ def plot(path: "str | os.PathLike[str]") -> str:
         if skipped:
             top.plot(*zip(*skipped), "x", color=line.get_color(), label=f"loss {loss_id}: skipped")
             bottom.vlines([s for s, _ in skipped], 0, 1, color=line.get_color(), label=f"loss {loss_id}")
-    top.set_yscale("log", base=2)
+    if histories and all(sc == 1.0 for _, rows in histories for _, sc, _ in rows):
+        title += ": static 1, no loss scaling"
+    else:
+        top.set_yscale("log", base=2)
+    if histories:
+        top.legend(loc="best", fontsize="small")
     top.set_ylabel("loss scale")
-    top.set_title(f"amp_patch loss scale ({amp.props.opt_level}, {dtype_name(amp.props.half_dtype)})")
-    top.legend(loc="best", fontsize="small")
+    top.set_title(title)
     bottom.set_yticks([])
     bottom.set_ylabel("skipped")
     bottom.set_xlabel("step")

@@ -4,7 +4,8 @@
 (``AmpWarning``, each message once per process) about set-ups that run slower
 than FP32 or not as the user thinks: BF16 on a CPU without native BF16, FP16 on
 a CPU, FP16 over BF16 weights on a BF16-capable GPU, a model spread over
-several devices, optimizer parameters outside the models, an optimizer ``eps``
+several devices, optimizer parameters outside the models, trainable
+parameters of an O2/O5 model that no optimizer covers, an optimizer ``eps``
 that is 0 in the half dtype with no FP32 masters (O3), and torch functions
 a user module bound before ``initialize`` (which no patch can reach).
 """
@@ -15,7 +16,7 @@ import os
 import sys
 import sysconfig
 import types
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Sequence, Set, Tuple
 
 import torch
 
@@ -127,6 +128,33 @@ def optimizer_warnings(props: Any, models: Sequence[torch.nn.Module], optimizers
                 f"of the models passed to initialize. Pass every model it trains: "
                 f"amp_patch.initialize([model_a, model_b], optimizer, ...)."
             )
+    return out
+
+
+def coverage_warnings(props: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[Any], covered: Set[int]) -> List[str]:
+    """Trainable parameters of a model with FP32 masters (O2/O5) that no optimizer covers.
+
+    Only the optimizers' parameters get masters; the others stay half, and no
+    step given to ``initialize`` updates them. ``covered``: the ids of the
+    model parameters the optimizers step (directly or through a master).
+    """
+    if not props.master_weights or props.cast_model_type not in LOW or not optimizers:
+        return []
+    out = []
+    for i, m in enumerate(models):
+        trainable = [(name, p) for name, p in m.named_parameters() if p.requires_grad]
+        left = [name for name, p in trainable if id(p) not in covered]
+        if not left:
+            continue
+        shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+        out.append(
+            f"amp_patch: the optimizers given to initialize cover {len(trainable) - len(left)} of the "
+            f"{len(trainable)} trainable parameters of {_model_label(i, m)}; {shown} "
+            f"{'is' if len(left) == 1 else 'are'} in none of them, so at {props.opt_level} "
+            f"{'it stays' if len(left) == 1 else 'they stay'} {dtype_name(props.cast_model_type)} with no FP32 master "
+            f"and no step updates {'it' if len(left) == 1 else 'them'}. Pass every optimizer that trains the model "
+            f"(initialize(model, [opt1, opt2], ...)), or set requires_grad=False on what you mean to freeze."
+        )
     return out
 
 
@@ -245,6 +273,16 @@ def scripted_warnings(props: Any, models: Sequence[torch.nn.Module]) -> List[str
     return out
 
 
+def _stepped(amp: Any, optimizers: Sequence[Any]) -> Set[int]:
+    """Ids of the parameters ``optimizers`` step: their own, and the half model
+    parameters their FP32 masters stand in for."""
+    ids = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    for h in amp.optimizer_handles.values():
+        if h.masters is not None and any(h.optimizer is opt for opt in optimizers):
+            ids.update(id(p) for p in h.masters.halfs)
+    return ids
+
+
 def warn_at_initialize(amp: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> None:
     """Warn once about set-ups that run slower or otherwise than intended.
 
@@ -259,6 +297,7 @@ def warn_at_initialize(amp: Any, models: Sequence[torch.nn.Module], optimizers: 
         + bf16_weights_warnings(props, device, gpu_bf16, models)
         + device_warnings(props, models)
         + optimizer_warnings(props, models, optimizers)
+        + coverage_warnings(props, models, optimizers, _stepped(amp, optimizers))
         + pure_half_warnings(props, optimizers)
         + captured_warnings(amp)
         + scripted_warnings(props, models)

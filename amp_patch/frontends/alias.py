@@ -65,7 +65,11 @@ STANDINS = {
 #: serve; the longest matching prefix of a module's name applies
 REPLACEMENTS = {
     "apex.contrib": "the torch equivalents of the kernel you used (torch.nn.functional.scaled_dot_product_attention, "
-    "torch.optim's fused optimizers, torch.nn.SyncBatchNorm)",
+    "torch.optim's fused optimizers, torch.nn.SyncBatchNorm; xentropy: torch.nn.functional.cross_entropy(logits, "
+    "target, label_smoothing=...))",
+    "apex.contrib.xentropy": "torch.nn.functional.cross_entropy(logits, target, label_smoothing=smoothing, "
+    "ignore_index=padding_idx) (torch.nn.CrossEntropyLoss takes the same; SoftmaxCrossEntropyLoss.apply's "
+    "half_to_float is not needed: amp_patch runs cross_entropy in FP32)",
     "apex.contrib.multihead_attn": "torch.nn.MultiheadAttention or torch.nn.functional.scaled_dot_product_attention",
     "apex.contrib.fmha": "torch.nn.functional.scaled_dot_product_attention",
     "apex.contrib.sparsity": "torch.ao.pruning (2:4 sparsity: torch.sparse.to_sparse_semi_structured)",

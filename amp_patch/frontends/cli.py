@@ -9,6 +9,9 @@ Subcommands:
 * ``check-script`` - list the Apex names a script uses and whether amp_patch
   serves each, without running it (see ``scan``).
 
+``amp-patch --version`` prints the versions of amp_patch, torch and Python and
+whether the C fast path is in use.
+
 Exit codes: 0 success; 1 problems found (``check``), Apex names amp_patch
 does not serve (``check-script``) or the script's
 uncaught exception (``run``, with its traceback printed as Python prints
@@ -20,11 +23,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import platform
 import sys
 from typing import List, Optional, Sequence, Tuple
 
+import torch
+
+from .. import __version__
 from ..errors import AmpError
 from ..oplists import view
+from ..patching import wrappers
 from ..properties import parse_dtype
 from . import launcher, scan
 
@@ -70,6 +78,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-scale", metavar="dynamic|FLOAT", help="loss scale (default $AMP_PATCH_LOSS_SCALE, else the opt level's)")
     p.add_argument("--outputs", metavar="float32|half", help="dtype of the models' outputs (default $AMP_PATCH_OUTPUTS, else float32: "
                    "code written for FP32, such as .numpy(), keeps working; half keeps what the model computed)")
+    p.add_argument("--quiet", action="store_true", help="print nothing of the launcher's own: no line on what it turned "
+                   "on before the script, no summary after it (both on stderr otherwise)")
     return p
 
 
@@ -108,8 +118,10 @@ def _cmd_run(tokens: Sequence[str]) -> int:
     except AmpError as e:
         parser.error(str(e))
     path = os.path.abspath(script)
+    # one rank speaks for all under torchrun (which sets RANK before the script starts)
+    stream = None if ns.quiet or os.environ.get("RANK", "0") != "0" else sys.stderr
     try:
-        _script_globals.append(launcher.run(script, args, settings))
+        _script_globals.append(launcher.run(script, args, settings, stream))
     except BaseException as e:
         tb = _script_traceback(e.__traceback__, path)
         if tb is not e.__traceback__:  # the script's module frame: keep its globals too
@@ -139,8 +151,20 @@ def _add_half(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), help="the device whose policy to show (default: CUDA if present)")
 
 
+def version() -> str:
+    """What ``amp-patch --version`` prints: amp_patch's version and where it is
+    imported from, torch's and Python's versions, and whether the C fast path is in use."""
+    return (
+        f"{PROG} {__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})\n"
+        f"torch {torch.__version__}, Python {platform.python_version()}\n"
+        f"{wrappers.fast}\n"
+    )
+
+
 def _main_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Automatic mixed precision for existing PyTorch code.", allow_abbrev=False)
+    p.add_argument("--version", action="store_true",
+                   help="print the versions of amp_patch, torch and Python, and whether the C fast path is in use")
     sub = p.add_subparsers(dest="command", metavar="{run,lists,check,check-script,demo}")
     sub.add_parser("run", help="run a training script with AMP on, unmodified", add_help=False)
     lists = sub.add_parser("lists", help="print the effective op policy after overrides", allow_abbrev=False)
@@ -236,6 +260,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _main_parser()
     try:
         ns = parser.parse_args(argv)
+        if ns.version:
+            sys.stdout.write(version())
+            return 0
         if ns.command is None:
             parser.print_help(sys.stderr)
             return 2

@@ -9,9 +9,22 @@ random targets with SGD at lr 1e-4, where the loss never moves; here the
 targets are a fixed linear map of the inputs and the optimizer is Adam, so
 the loss column shows each mode learning the same thing.
 
-The default sizes finish in well under a minute on two CPU cores with BF16
-instructions (about a minute where torch emulates BF16); ``--full``
-runs the tutorial's own sizes (4096 wide, batch 512, 50 batches, 5 epochs).
+It measures as ``benchmarks/suite.py`` does, so that its figures hold from run
+to run: each mode trains in a worker process of its own (amp_patch's state is
+per process), untimed warm-up steps first; then the modes run in rounds, each
+round one block of the same number of steps per mode, in an order rotated
+every round; a mode's speedup is taken against the FP32 block of the same
+round, and each figure is the median over rounds with its spread (half the
+interquartile range, over the median). On a CPU every worker runs one thread
+by default and a step's time is the worker's CPU time, which time the core
+spends on other work does not count. The demo says when the figures cannot be
+trusted: a spread above ``NOISY_SPREAD``, or a load average above the number
+of cores before it started.
+
+The default sizes take well under a minute on two CPU cores; ``--full`` runs
+the tutorial's own sizes and step count (4096 wide, batch 512, 50 batches,
+250 steps per mode), prints how long that will take once the warm-up has
+measured each mode, and its progress round by round.
 """
 from __future__ import annotations
 
@@ -20,11 +33,16 @@ __amp_patch_frame__ = "user"  # frames.py: its training loop runs as a user's wo
 import argparse
 import dataclasses
 import gc
+import math
+import multiprocessing as mp
+import os
+import platform
+import statistics
 import sys
 import time
 import warnings
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -32,15 +50,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import frontend
 from ..diagnostics import AmpWarning, setup_checks
-from ..errors import ConfigError
 from ..diagnostics.stats import dtype_name
+from ..errors import ConfigError
 
 MODES = ("FP32", "O1", "O2")
 NO_NATIVE_BF16 = (
     "This CPU has no BF16 instructions (AVX512_BF16, AMX or Arm BF16), so torch emulates BF16 math "
     "on it, far slower than FP32."
 )
-FULL = dict(size=4096, batch_size=512, batches=50, epochs=5)
+#: the tutorial's sizes and step count (5 epochs of 50 batches), in 10 rounds of 25 steps
+FULL = dict(size=4096, batch_size=512, batches=50, steps=250, rounds=10)
+#: the default sizes: a GPU needs the tutorial's to show a speedup (at the CPU's,
+#: a step takes a millisecond or two, which the per-op overheads dominate)
+SIZES = {"cpu": dict(size=1024, batch_size=256), "cuda": dict(size=4096, batch_size=512)}
+#: the default rounds and timed steps per mode: a fixed count, so the loss column is the same in every run
+ROUNDS = 7
+STEPS = 42
+#: a figure whose spread over rounds (half its IQR, over its median) is above this is noise
+NOISY_SPREAD = 0.10
 
 
 class SimpleNet(nn.Module):
@@ -64,15 +91,122 @@ class SimpleNet(nn.Module):
 
 @dataclasses.dataclass
 class Result:
-    """One row of the table; ``unavailable`` says why a mode did not run."""
+    """One row of the table; ``unavailable`` says why a mode did not run.
+
+    ``ms_per_step`` and ``speedup`` (FP32's step time over this mode's, in the
+    same round) are medians over rounds; ``*_spread`` their spreads.
+    """
 
     mode: str
     ms_per_step: float = 0.0
+    ms_spread: float = 0.0
+    speedup: Optional[float] = None
+    speedup_spread: float = 0.0
     first_loss: float = 0.0
     final_loss: float = 0.0
     peak_bytes: Optional[int] = None
     layers: str = ""
     unavailable: str = ""
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def spread(values: Sequence[float]) -> float:
+    """Half the interquartile range of ``values``, over their median (0.05: ±5%).
+
+    Example::
+
+        spread([1.0, 1.0, 1.1, 0.9])   # 0.075
+    """
+    if len(values) < 2:
+        return 0.0
+    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / 2 / med if med else math.inf
+
+
+def noise_verdict(speedups: Dict[str, Sequence[float]], load: Optional[float], cores: int,
+                  threshold: float = NOISY_SPREAD) -> List[str]:
+    """Why the figures are too noisy to mean much; empty when they hold.
+
+    Args:
+        speedups: each mode's speedup over FP32, one per round.
+        load: the 1-minute load average before the demo started (None: unknown).
+        cores: CPU cores of the machine.
+        threshold: the largest spread (``spread``) a speedup may have.
+
+    Example::
+
+        noise_verdict({"O1": [1.9, 2.0, 2.1, 2.0]}, load=0.2, cores=2)   # []
+    """
+    reasons = []
+    for mode, values in speedups.items():
+        s = spread(values)
+        if s > threshold:
+            reasons.append(f"{mode}'s speedup varies ±{s:.0%} over {len(values)} rounds (more than ±{threshold:.0%})")
+    if load is not None and load > cores:
+        reasons.append(f"the load average was {load:.1f} on {cores} cores before the demo started: other work shares the machine")
+    return reasons
+
+
+# ------------------------------------------------------------------ hardware
+
+
+def cpu_bf16_flags(cpuinfo: Optional[str] = None) -> Optional[List[str]]:
+    """The BF16 flags of this CPU (``amx_bf16``, ``avx512_bf16``, Arm's ``bf16``)
+    as ``/proc/cpuinfo`` lists them, or None where it cannot be read."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags: set = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return [f for f in ("amx_bf16", "avx512_bf16", "bf16") if f in flags]
+
+
+def cpu_name(cpuinfo: Optional[str] = None) -> str:
+    """The CPU's model name from ``/proc/cpuinfo``, or the platform's word for it."""
+    try:
+        if cpuinfo is None:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        for line in cpuinfo.splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware(device: torch.device, cpuinfo: Optional[str] = None) -> str:
+    """One line on what this machine gives half precision: the GPU and its
+    Tensor Cores, or the CPU and its BF16 matrix units (``/proc/cpuinfo`` flags).
+
+    Example::
+
+        hardware(torch.device("cpu"))   # "AMD EPYC, 2 cores; BF16: avx512_bf16 (no amx_bf16): ..."
+    """
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        cores = "FP16 Tensor Cores" if major >= 7 else "no Tensor Cores (FP16 runs, but not much faster than FP32)"
+        return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}): {cores}"
+    name = f"{cpu_name(cpuinfo)}, {os.cpu_count()} cores"
+    flags = cpu_bf16_flags(cpuinfo)
+    if flags is None:  # no /proc/cpuinfo: ask torch
+        native = setup_checks.cpu_has_native_bf16()
+        return f"{name}; BF16 instructions: {'yes' if native else 'none'} (as torch reports them)"
+    if "amx_bf16" in flags:
+        return f"{name}; BF16 matrix units: amx_bf16 (AMX tiles): the fastest BF16 matmuls a CPU has"
+    if "avx512_bf16" in flags:
+        return f"{name}; BF16: avx512_bf16, no amx_bf16: native BF16 dot products in vector registers, no matrix units"
+    if "bf16" in flags:
+        return f"{name}; BF16: Arm bf16 instructions"
+    return f"{name}; BF16: none of amx_bf16, avx512_bf16: torch emulates BF16 here, slower than FP32"
 
 
 # ------------------------------------------------------------------ memory
@@ -151,41 +285,6 @@ def _peak_memory(step, model: nn.Module, optimizer, batch, device: torch.device)
     return live.peak
 
 
-# ------------------------------------------------------------------ progress
-
-
-class _Progress:
-    """tqdm when installed, else a plain bar; silent when ``enabled`` is False."""
-
-    def __init__(self, total: int, label: str, enabled: bool):
-        self.total, self.label, self.enabled, self.n = total, label, enabled, 0
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc=label, leave=False, file=sys.stderr)
-            except ImportError:
-                pass
-
-    def update(self) -> None:
-        self.n += 1
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(1)
-            return
-        done = int(30 * self.n / self.total)
-        sys.stderr.write(f"\r{self.label:>5} [{'#' * done}{'.' * (30 - done)}] {self.n}/{self.total}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
-            sys.stderr.write("\r" + " " * (len(self.label) + 45) + "\r")
-            sys.stderr.flush()
-
 
 # ------------------------------------------------------------------ runs
 
@@ -213,6 +312,10 @@ def _layer_dtypes(model: nn.Module, x: torch.Tensor, label: torch.Tensor, loss_f
     )
 
 
+
+# ------------------------------------------------------------------ the workers
+
+
 #: the optimizer's learning rate (Adam)
 LR = 1e-3
 
@@ -229,52 +332,193 @@ def make_data(size: int, batch_size: int, batches: int, seed: int, device: torch
     return data
 
 
-def run(mode: str, data: Sequence[Tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace,
-        device: torch.device) -> Result:
-    """Train a fresh SimpleNet in ``mode`` ("FP32" or an opt level) and measure it."""
-    torch.manual_seed(args.seed)
-    model = SimpleNet(args.size, args.size).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    loss_fn = nn.MSELoss()
-    if mode != "FP32":
-        try:
-            model, optimizer = frontend.initialize(model, optimizer, opt_level=mode)
-        except ConfigError as e:
-            return Result(mode, unavailable=str(e))
-
-    def step(x, label):
-        loss = loss_fn(model(x), label)  # the tutorial's loop, unchanged
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
-    try:
-        steps = args.epochs * len(data)
-        bar = _Progress(args.warmup + steps, mode, args.progress)
-        for i in range(args.warmup + steps):
-            if i == args.warmup:
-                _sync(device)
-                start = time.perf_counter()
-            loss = step(*data[i % len(data)])
-            if i == 0:
-                first_loss = float(loss.detach())
-            bar.update()
-        _sync(device)
-        elapsed = time.perf_counter() - start
-        bar.close()
-        final_loss = float(loss.detach())
-        layers = _layer_dtypes(model, *data[0], loss_fn)
-        peak = _peak_memory(lambda: step(*data[0]), model, optimizer, data[0], device)
-    finally:
-        if mode != "FP32":
-            frontend.deinitialize()
-    return Result(mode, 1000.0 * elapsed / steps, first_loss, final_loss, peak, layers)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Trainer:
+    """One mode's training: a fresh SimpleNet, Adam, the tutorial's loop.
+
+    Raises ``ConfigError`` when the mode cannot run here (the message says why).
+    """
+
+    def __init__(self, mode: str, config: Dict[str, Any], device: torch.device):
+        self.mode, self.device = mode, device
+        self.data = make_data(config["size"], config["batch_size"], config["batches"], config["seed"], device)
+        torch.manual_seed(config["seed"])
+        self.model = SimpleNet(config["size"], config["size"]).to(device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR)
+        self.loss_fn = nn.MSELoss()
+        self.i = 0
+        self.loss: Optional[torch.Tensor] = None
+        if mode != "FP32":
+            self.model, self.optimizer = frontend.initialize(self.model, self.optimizer, opt_level=mode)
+
+    def step(self, x: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(self.model(x), label)  # the tutorial's loop, unchanged
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss
+
+    def run(self, n: int) -> None:
+        """``n`` more steps, through the batches in order."""
+        for _ in range(n):
+            self.loss = self.step(*self.data[self.i % len(self.data)])
+            self.i += 1
+
+    def finish(self) -> Dict[str, Any]:
+        """The final loss, the layers' dtypes and the peak memory of one more step."""
+        out = {
+            "final_loss": float(self.loss.detach()),
+            "layers": _layer_dtypes(self.model, *self.data[0], self.loss_fn),
+            "peak_bytes": _peak_memory(lambda: self.step(*self.data[0]), self.model, self.optimizer, self.data[0], self.device),
+        }
+        if self.mode != "FP32":
+            frontend.deinitialize()
+        return out
+
+
+def _worker(conn: Any, mode: str, config: Dict[str, Any], device_name: str, threads: int, quiet_bf16: bool) -> None:
+    """One mode in a process of its own: warm up, then run the blocks it is sent."""
+    torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    # One thread: the process's CPU time is the step time without the time
+    # other work on the machine held the core. Several threads, or a GPU: wall clock.
+    clock = time.process_time if threads == 1 and device.type == "cpu" else time.perf_counter
+    with warnings.catch_warnings():
+        if quiet_bf16:  # said once by the demo, not once per mode
+            warnings.filterwarnings("ignore", message=".*without native BF16", category=AmpWarning)
+        try:
+            trainer = Trainer(mode, config, device)
+        except ConfigError as e:
+            conn.send(("unavailable", str(e)))
+            conn.close()
+            return
+        warm = []
+        for i in range(config["warmup"]):
+            _sync(device)
+            t0 = time.perf_counter()
+            trainer.run(1)
+            _sync(device)
+            warm.append(time.perf_counter() - t0)
+            if i == 0:
+                first_loss = float(trainer.loss.detach())
+        conn.send(("ready", min(warm), first_loss))
+        while True:
+            cmd, n = conn.recv()
+            if cmd == "run":
+                _sync(device)
+                t0 = clock()
+                trainer.run(n)
+                _sync(device)
+                conn.send((clock() - t0) / n)
+            else:
+                conn.send(trainer.finish())
+                conn.close()
+                return
+
+
+def _context(device: torch.device) -> Any:
+    # fork starts a worker without importing torch again (seconds on a small
+    # machine); CUDA cannot be forked, and some platforms have no fork
+    if device.type == "cpu" and "fork" in mp.get_all_start_methods():
+        return mp.get_context("fork")
+    return mp.get_context("spawn")
+
+
+def _config(args: argparse.Namespace) -> Dict[str, Any]:
+    return dict(size=args.size, batch_size=args.batch_size, batches=args.batches, seed=args.seed, warmup=args.warmup)
+
+
+def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device,
+            quiet_bf16: bool = False) -> Tuple[List[Result], Dict[str, List[float]]]:
+    """Train every mode in its own worker, in interleaved rounds.
+
+    Every mode runs the same steps on the same batches: ``args.warmup``
+    untimed, then ``args.steps`` in ``args.rounds`` blocks.
+
+    Returns:
+        one ``Result`` per mode, and each mode's speedups over FP32, one per
+        round (none when FP32 is not among the modes).
+    """
+    ctx = _context(device)
+    config = _config(args)
+    workers: Dict[str, Tuple[Any, Any]] = {}
+    results: Dict[str, Result] = {}
+    warm: Dict[str, float] = {}
+    try:
+        for mode in modes:  # one at a time: building and warming up are CPU-heavy
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child, mode, config, str(device), args.threads, quiet_bf16), daemon=True)
+            proc.start()
+            child.close()
+            msg = parent.recv()
+            if msg[0] == "unavailable":
+                results[mode] = Result(mode, unavailable=msg[1])
+                proc.join(30)
+                continue
+            workers[mode] = (proc, parent)
+            warm[mode] = msg[1]
+            results[mode] = Result(mode, first_loss=msg[2])
+        speedups: Dict[str, List[float]] = {m: [] for m in workers if m != "FP32"}
+        if not workers:
+            return [results[m] for m in modes], {}
+        total = args.steps
+        estimate = total * sum(warm.values())
+        if args.full or estimate > 60:
+            print(f"Timed part: {total} steps per mode in {args.rounds} rounds, about {_duration(estimate)} "
+                  f"(from the warm-up's step times: {', '.join(f'{m} {warm[m] * 1e3:.0f} ms' for m in workers)})", flush=True)
+        times: Dict[str, List[float]] = {m: [] for m in workers}
+        active = list(workers)
+        done, started = 0, time.perf_counter()
+        for r in range(args.rounds):
+            n = total * (r + 1) // args.rounds - total * r // args.rounds  # at least 1: rounds <= steps
+            order = active[r % len(active):] + active[: r % len(active)]
+            this = {}
+            for mode in order:
+                time.sleep(0.02)  # let the previous worker's threads go idle
+                workers[mode][1].send(("run", n))
+                this[mode] = workers[mode][1].recv()
+                times[mode].append(this[mode])
+            if "FP32" in this:
+                for mode in speedups:
+                    speedups[mode].append(this["FP32"] / this[mode])
+            done += n
+            if args.progress:
+                left = (time.perf_counter() - started) / done * (total - done)
+                line = (f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {this[m] * 1e3:.1f} ms" for m in active)
+                        + (f"; about {_duration(left)} left" if done < total else ""))
+                sys.stderr.write(line + ("\n" if args.full else "\r"))
+                sys.stderr.flush()
+        if args.progress and not args.full:
+            sys.stderr.write("\r" + " " * 100 + "\r")
+            sys.stderr.flush()
+        for mode, (proc, conn) in workers.items():
+            conn.send(("finish", None))
+            res = results[mode]
+            for k, v in conn.recv().items():
+                setattr(res, k, v)
+            res.ms_per_step = 1e3 * statistics.median(times[mode])
+            res.ms_spread = spread(times[mode])
+            if mode == "FP32":
+                res.speedup = 1.0
+            elif speedups.get(mode):
+                res.speedup = statistics.median(speedups[mode])
+                res.speedup_spread = spread(speedups[mode])
+            proc.join(30)
+    finally:
+        for proc, conn in workers.values():
+            if proc.is_alive():
+                proc.terminate()
+    return [results[m] for m in modes], {m: v for m, v in speedups.items() if v}  # none without FP32
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min"
 
 
 def _mib(n: Optional[int]) -> str:
@@ -283,15 +527,15 @@ def _mib(n: Optional[int]) -> str:
 
 def format_table(results: Sequence[Result]) -> str:
     """The comparison table: one row per mode, FP32 first."""
-    base = next((r.ms_per_step for r in results if r.mode == "FP32" and not r.unavailable), None)
     head = ("mode", "time/step", "speedup", "loss first -> last", "peak memory", "layers ran in")
     rows = []
     for r in results:
         if r.unavailable:
             rows.append((r.mode, f"unavailable: {r.unavailable}"))
             continue
-        speed = f"{base / r.ms_per_step:.2f}x" if base and r.ms_per_step else "-"
-        rows.append((r.mode, f"{r.ms_per_step:.1f} ms", speed, f"{r.first_loss:.4f} -> {r.final_loss:.4f}", _mib(r.peak_bytes), r.layers))
+        speed = "-" if r.speedup is None else f"{r.speedup:.2f}x" + (f" ±{r.speedup_spread:.0%}" if r.mode != "FP32" else "")
+        rows.append((r.mode, f"{r.ms_per_step:.1f} ms ±{r.ms_spread:.0%}", speed,
+                     f"{r.first_loss:.4f} -> {r.final_loss:.4f}", _mib(r.peak_bytes), r.layers))
     full = [head] + [r for r in rows if len(r) == len(head)]
     widths = [max(len(r[i]) for r in full) for i in range(len(head))]
     right = (1, 2, 3, 4)
@@ -307,24 +551,30 @@ def format_table(results: Sequence[Result]) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="amp-patch demo",
-        description="Train the Paddle AMP tutorial's SimpleNet in FP32, O1 and O2 and compare them.",
+        description="Train the Paddle AMP tutorial's SimpleNet in FP32, O1 and O2 and compare them, "
+        "each mode in a worker process of its own, in interleaved rounds.",
     )
-    p.add_argument("--size", type=int, default=1024, help="input and output width of each Linear (default 1024)")
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="rows per batch (default 256; multiples of 8 suit GPU Tensor Cores)")
-    p.add_argument("--batches", type=int, default=8, help="batches of random inputs (default 8)")
-    p.add_argument("--epochs", type=int, default=2, help="passes over the batches (default 2)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (default 2)")
+    p.add_argument("--size", type=int, default=None,
+                   help="input and output width of each Linear (default 1024 on CPU, 4096 on CUDA)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="rows per batch (default 256 on CPU, 512 on CUDA; multiples of 8 suit GPU Tensor Cores)")
+    p.add_argument("--batches", type=int, default=8, help="batches of random inputs, used in turn (default 8)")
+    p.add_argument("--steps", type=int, default=STEPS, help=f"timed steps per mode (default {STEPS})")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"rounds the timed steps are split into, each one block of steps per mode (default {ROUNDS})")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode before the rounds, at least 1 (default 2)")
     p.add_argument("--full", action="store_true",
-                   help="the tutorial's sizes: --size 4096 --batch-size 512 --batches 50 --epochs 5")
+                   help="the tutorial's sizes and steps: --size 4096 --batch-size 512 --batches 50 --steps 250 "
+                        "--rounds 10, with progress and an estimate of the time it takes")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to train (default: CUDA if present, else CPU)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run (default FP32,O1,O2)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default: torch's own choice); 1 steadies timings on a busy machine")
+                   help="torch threads per mode (default: 1 on CPU, timed by its CPU time, which other work on "
+                        "the machine does not change; more threads are timed by the wall clock)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
-                   help="show a progress bar (default: when stderr is a terminal)")
+                   help="print each round's times (default: with --full, or when stderr is a terminal)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 
@@ -335,22 +585,37 @@ def _settings(argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, List[s
     if args.full:
         for k, v in FULL.items():
             setattr(args, k, v)
-    for name in ("size", "batch_size", "batches", "epochs"):
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available; use --device cpu")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    for name, value in SIZES[device.type].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("size", "batch_size", "batches", "steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0:
-        p.error("--warmup must be 0 or more")
+    if args.rounds > args.steps:
+        p.error(f"--rounds {args.rounds} is more than --steps {args.steps}: each round needs a step per mode")
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the first steps allocate and warm caches: timing them times that)")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
     modes = [m.strip().upper() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes a comma-separated subset of {','.join(MODES)}; got {args.modes!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available; use --device cpu")
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.threads is None:
+        args.threads = 1 if device.type == "cpu" else torch.get_num_threads()
     if args.progress is None:
-        args.progress = sys.stderr.isatty()
-    return args, modes, torch.device("cuda" if cuda else "cpu")
+        args.progress = args.full or sys.stderr.isatty()
+    return args, modes, device
+
+
+def _load() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -372,26 +637,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args, modes, device = _settings(argv)
     except SystemExit as e:  # argparse's usage errors and --help
         return e.code if isinstance(e.code, int) else 2
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    load, cores = _load(), os.cpu_count() or 1
     half = "float16" if device.type == "cuda" else "bfloat16"
-    steps = args.epochs * args.batches
+    timing = "CPU time" if args.threads == 1 and device.type == "cpu" else "wall clock"
     print(
         f"amp_patch demo: SimpleNet (3 x Linear {args.size}->{args.size}, ReLU), MSE loss, Adam; "
-        f"batch {args.batch_size}, {steps} timed steps after {args.warmup} warm-up; "
+        f"batch {args.batch_size}, {args.steps} timed steps after {args.warmup} warm-up; "
         f"{device.type} ({'CUDA' if device.type == 'cuda' else 'CPU'} half dtype: {half})",
         flush=True,
     )
-    data = make_data(args.size, args.batch_size, args.batches, args.seed, device)
+    print(f"Hardware: {hardware(device)}", flush=True)
+    where = f"; load average {load:.1f} on {cores} cores at the start" if load is not None else ""
+    print(f"Measured: each mode in its own process, {args.threads} thread{'s' if args.threads > 1 else ''} "
+          f"(--threads), timed by its {timing}; modes interleaved in {args.rounds} rounds, medians ± spread "
+          f"over rounds{where}", flush=True)
     emulated = device.type == "cpu" and not setup_checks.cpu_has_native_bf16()
     if emulated:
         print(f"Note: {NO_NATIVE_BF16} Expect O1 and O2 to be slower than FP32 in this run.", flush=True)
-    with warnings.catch_warnings():
-        if emulated:  # said once above, not once per mode
-            warnings.filterwarnings("ignore", message=".*without native BF16", category=AmpWarning)
-        results = [run(mode, data, args, device) for mode in modes]
+    results, speedups = measure(modes, args, device, quiet_bf16=emulated)
     print()
     print(format_table(results))
+    reasons = noise_verdict(speedups, load, cores)
+    if reasons:
+        print(f"\nToo noisy to trust these figures: {'; '.join(reasons)}. Run it again on an idle machine, "
+              f"or with more --rounds.")
+    elif speedups:
+        worst = max(spread(v) for v in speedups.values())
+        print(f"\nSteady: every speedup within ±{worst:.0%} over {args.rounds} rounds (noisy above ±{NOISY_SPREAD:.0%}).")
     if emulated:
         print(
             f"\n{NO_NATIVE_BF16} The speedup needs a CPU that has them (a Xeon with AMX: "

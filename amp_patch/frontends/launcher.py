@@ -24,6 +24,10 @@ names its own) and the launcher steps aside for the rest of the run.
 Every switch is also an environment variable, for launchers that cannot pass
 flags (``torchrun``): ``AMP_PATCH_OPT_LEVEL``, ``AMP_PATCH_HALF_DTYPE``,
 ``AMP_PATCH_LOSS_SCALE``, ``AMP_PATCH_OUTPUTS`` and ``AMP_PATCH_LISTS``; a flag beats its variable.
+
+``run`` can say what it did (``amp-patch run`` does, on stderr, unless
+``--quiet``): ``banner`` before the script, with where each setting came from,
+and ``summary`` after it, from the last run's figures (``session.ended()``).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ import runpy
 import sys
 import threading
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
 
 import torch
 import wrapt
@@ -46,9 +50,10 @@ from .. import diagnostics, frontend, oplists, session
 from ..errors import ConfigError
 from ..patching.registry import Patcher
 from ..precision import model as model_side
-from ..properties import ENV_HALF_DTYPE, OPT_LEVELS, parse_dtype, resolve
+from ..diagnostics.stats import dtype_name
+from ..properties import ENV_HALF_DTYPE, OPT_LEVELS, Properties, parse_dtype, resolve
 from ..session import Provisional, UndoStack
-from . import alias
+from . import alias, scan
 from .outputs import OutermostOutputs
 
 log = logging.getLogger("amp_patch")
@@ -80,6 +85,9 @@ class Settings:
     #: cast_model_outputs), so code written for FP32 (numpy, which has no
     #: bfloat16) keeps working; "half": as the model computed them
     outputs: str = "float32"
+    #: where each setting came from: its flag (``--opt-level``), its environment
+    #: variable, the argument of ``resolve`` that gave it, or "default"
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def resolve(
@@ -108,11 +116,14 @@ class Settings:
             settings = Settings.resolve(opt_level="O1", half_dtype="bfloat16")
         """
         names = names or {}
+        sources: Dict[str, str] = {}
 
         def pick(key: str, value: Any, env: str) -> Tuple[Any, str]:
             if value is not None:
-                return value, names.get(key, key)
+                sources[key] = names.get(key, key)
+                return value, sources[key]
             raw = os.environ.get(env, "").strip()
+            sources[key] = env if raw else "default"
             return (raw or None), env
 
         raw, where = pick("opt_level", opt_level, ENV_OPT_LEVEL)
@@ -135,10 +146,9 @@ class Settings:
             raise ConfigError(f"{where}={out!r} is not an output choice; use float32 (the default) or half")
 
         given = tuple(str(p) for p in lists)
-        settings = cls(level, half, scale, given, out)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        extra = {} if scale is None else {"loss_scale": scale}
-        resolve(level, device, half, **extra)  # combinations (e.g. O4 with float16)
+        sources["lists"] = names.get("lists", "lists")
+        settings = cls(level, half, scale, given, out, sources)
+        settings.properties()  # combinations (e.g. O4 with float16)
         if level != "O0" or given:
             oplists.load(list(given))  # every list problem now, before the script starts
         return settings
@@ -151,6 +161,12 @@ class Settings:
         if self.output_dtype is not None:
             out["cast_model_outputs"] = self.output_dtype
         return out
+
+    def properties(self) -> Properties:
+        """What these settings resolve to on this machine (the half dtype and loss scale chosen)."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        extra = {} if self.loss_scale is None else {"loss_scale": self.loss_scale}
+        return resolve(self.opt_level, device, self.half_dtype, **extra)
 
     @property
     def output_dtype(self) -> Optional[torch.dtype]:
@@ -315,6 +331,10 @@ class Launch:
         #: and dropped if the script's own initialize replaces that level first
         self._held: List[Tuple[str, type]] = []
         self._forward_hook: Any = None  # global forward pre-hook that gives the held warnings
+        #: for the summary: the figures of the last run ended before start(), to tell a new
+        #: one from them, and whether the script's own initialize set the last run
+        self._ended_before: Optional[session.Ended] = None
+        self.by_script: Optional[bool] = None
 
     def start(self) -> None:
         """Turn AMP on. Raises ``ConfigError`` if amp_patch is already initialized.
@@ -330,6 +350,7 @@ class Launch:
         """
         if session.current() is not None:
             raise ConfigError("amp_patch is already initialized in this process; the launcher starts it itself. Call amp_patch.deinitialize() first.")
+        self._ended_before = session.ended()
         level = self.settings.opt_level
         try:
             if not alias.is_installed() and alias.install_apex_alias():
@@ -356,7 +377,15 @@ class Launch:
     def stop(self) -> None:
         """Undo ``start()``: no hook, no alias, amp_patch deinitialized."""
         self._release_held()
+        current = session.current()
+        self.by_script = (current is not self.amp) if current is not None else (self.amp is None)
         self.undo.pop_to(0)
+
+    def summary(self) -> str:
+        """What ran, after ``stop()``: see ``summary``."""
+        figures = session.ended()
+        return summary(self.settings, self.by_script, None if figures is self._ended_before else figures,
+                       self.stepped_aside)
 
     def _mark(self, amp: Any) -> None:
         self.amp = amp
@@ -450,6 +479,110 @@ class Launch:
         log.info("amp_patch: launcher attached %s to %s at %s", type(optimizer).__name__, type(model).__name__, self.settings.opt_level)
 
 
+# ------------------------------------------------------------- what it says
+
+PREFIX = "amp-patch run: "
+
+_DOES = {
+    "O0": "FP32, nothing cast",
+    "O1": "torch functions cast",
+    "O2": "model cast, FP32 master weights",
+    "O3": "model cast, no master weights",
+    "O4": "torch functions cast",
+    "O5": "model cast, FP32 master weights",
+}
+
+
+def _from(source: str) -> str:
+    return "default" if source == "default" else f"from {source}"
+
+
+def _loss_scaling(props: Properties, source: str) -> str:
+    if props.dynamic:
+        where = "the opt level's default" if source == "default" else _from(source)
+        return f"dynamic loss scaling ({where})"
+    if props.loss_scale == 1.0:
+        why = ", bfloat16 needs none" if props.half_dtype == torch.bfloat16 else ""
+        return f"no loss scaling (static 1.0{why})"
+    return f"static loss scale {props.loss_scale:g} ({_from(source)})"
+
+
+def banner(settings: Settings, script: Optional[str] = None) -> str:
+    """The one line ``amp-patch run`` prints before the script starts: the opt
+    level, half dtype and loss scaling in force, where each came from, and
+    whether the script calls ``initialize`` itself (read from its source).
+
+    Example::
+
+        print(banner(Settings.resolve(opt_level="O2"), "train.py"), file=sys.stderr)
+    """
+    props, src = settings.properties(), settings.sources
+    level = settings.opt_level
+    parts = [f"{level} ({_from(src.get('opt_level', 'default'))}; {_DOES[level]})"]
+    if level != "O0":
+        device = "CUDA" if torch.cuda.is_available() else "CPU"
+        half_src = src.get("half_dtype", "default")
+        parts.append(f"half dtype {dtype_name(props.half_dtype)} "
+                     f"({_from(half_src) if half_src != 'default' else 'default on ' + device})")
+        parts.append(_loss_scaling(props, src.get("loss_scale", "default")))
+        if src.get("outputs", "default") != "default":
+            parts.append(f"outputs {settings.outputs} ({_from(src['outputs'])})")
+        lists = [f"{f} ({src.get('lists', 'lists')})" for f in settings.lists]
+        lists += [f"{f} ({ENV_LISTS})" for f in os.environ.get(ENV_LISTS, "").split(os.pathsep) if f.strip()]
+        if lists:
+            parts.append("op lists + " + ", ".join(lists))
+    line = PREFIX + ", ".join(parts)
+    call = None
+    if script is not None and os.path.isfile(script):
+        try:
+            with open(script, encoding="utf-8") as f:
+                call = scan.initialize_call(f.read(), script)
+        except (OSError, UnicodeDecodeError):
+            call = None
+    if call is not None:
+        line += (f"; {os.path.basename(script)}:{call[0]} calls {call[1]} itself, and its opt level and loss "
+                 f"scale replace these from there")
+    return line
+
+
+def summary(settings: Settings, by_script: Optional[bool], figures: Optional[session.Ended], aside: bool) -> str:
+    """The line ``amp-patch run`` prints after the script: who set the run's
+    settings, steps taken and skipped, the final loss scale, the ops cast.
+
+    Args:
+        by_script: True when the script's own ``initialize`` set the last run,
+            False when the launcher did, None when no run was on at the end.
+        figures: the last run's figures (``session.ended()``), None if none ran.
+        aside: the launcher turned its AMP off for a script that runs its own
+            half precision.
+    """
+    if figures is None:
+        if aside:
+            why = "the script runs its own half precision (an optimizer over FP16/BF16 parameters), so the launcher turned its AMP off"
+        elif settings.opt_level == "O0":
+            why = "nothing to do at O0"
+        elif settings.opt_level in MODEL_LEVELS:
+            why = "the script built no optimizer for the launcher to attach its model to"
+        else:
+            why = "the script turned it off"
+        return PREFIX + f"done: no mixed-precision run ({why})"
+    rep, c = figures.report, figures.counters
+    who = "the script's own initialize" if by_script else "the launcher"
+    scales = c["loss_scale"]
+    scale = ", ".join(f"{x:g}" for x in scales) or "-"
+    kind = "dynamic" if any(loss["dynamic"] for loss in c["losses"]) else "static"
+    if rep.collecting:
+        casts = sum(o["casts"] for o in rep.ops.values())
+        ops = f"ops cast: {casts} casts in {len(rep.ops)} patched ops"
+    elif figures.patched:
+        by_policy = ", ".join(f"{p} {n}" for p, n in sorted(figures.patched.items(), key=lambda kv: -kv[1]))
+        ops = f"ops cast: {sum(figures.patched.values())} torch functions patched ({by_policy})"
+    else:
+        ops = f"ops cast: none patched, the model itself is {rep.half_dtype}"
+    return (PREFIX + f"done: {rep.opt_level} in {rep.half_dtype}, set by {who}; {c['steps']} steps taken, "
+            f"{c['skipped']} skipped; final loss scale {scale} ({kind}); {ops}")
+
+
 # ------------------------------------------------------------------------- run
 
 
@@ -471,7 +604,8 @@ def check_script(script: Union[str, os.PathLike]) -> str:
     return path
 
 
-def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Optional[Settings] = None) -> dict:
+def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Optional[Settings] = None,
+        stream: Optional[TextIO] = None) -> dict:
     """Run ``script`` as ``__main__`` with AMP on, as ``python script.py args...`` would.
 
     ``sys.argv``, ``__file__`` and ``sys.path[0]`` (the script's folder, for
@@ -484,6 +618,9 @@ def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Opt
         script: path to a ``.py`` file (or a folder / zip with ``__main__.py``).
         args: the script's command-line arguments.
         settings: the switches (default: from the environment variables).
+        stream: where to write ``banner`` before the script and the
+            ``summary`` line after it (``amp-patch run`` gives stderr, on
+            rank 0 only); None says nothing.
 
     Returns:
         the script's module globals, as ``runpy.run_path`` returns them.
@@ -501,6 +638,7 @@ def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Opt
     path = check_script(script)
     launch = Launch(settings)
     saved_argv, saved_path = sys.argv, list(sys.path)
+    _say(stream, banner(settings, path))
     launch.start()
     try:
         sys.argv = [os.fspath(script), *args]
@@ -510,12 +648,20 @@ def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Opt
         _restore(saved_argv, saved_path)
         try:
             launch.stop()
+            _say(stream, launch.summary())
         except Exception:  # the script's own error is the one to report
             log.exception("amp_patch: cleaning up after the script failed")
         raise
     _restore(saved_argv, saved_path)
     launch.stop()
+    _say(stream, launch.summary())
     return result
+
+
+def _say(stream: Optional[TextIO], line: str) -> None:
+    if stream is not None:
+        stream.write(line + "\n")
+        stream.flush()
 
 
 def _restore(argv: List[str], path: List[str]) -> None:

@@ -479,3 +479,47 @@ def report(uses: List[Use], filename: str) -> Tuple[str, int]:
     head = (f"{filename}: {len(uses)} Apex name(s), all served by amp_patch" if not missing
             else f"{filename}: {len(uses)} Apex name(s), {len(missing)} not served by amp_patch")
     return "\n".join([head] + lines) + "\n", 1 if missing else 0
+
+
+#: the modules whose ``initialize`` a script may call itself, replacing the launcher's settings
+_INITIALIZERS = ("amp_patch", "amp_patch.amp", "apex.amp")
+
+
+def _dotted(node: ast.AST, bound: Dict[str, str]) -> Optional[str]:
+    """``a.b.c`` of an attribute chain, its head name resolved through ``bound``."""
+    chain: List[str] = []
+    while isinstance(node, ast.Attribute):
+        chain.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in bound:
+        return None
+    return ".".join([bound[node.id]] + chain[::-1])
+
+
+def initialize_call(source: str, filename: str = "<script>") -> Optional[Tuple[int, str]]:
+    """``(line, spelling)`` of the first call of ``amp.initialize`` /
+    ``amp_patch.initialize`` in ``source``, or None: the script sets its own
+    opt level where it runs that line (read, never run; None when it does not parse).
+
+    Example::
+
+        initialize_call("from apex import amp\\nmodel, opt = amp.initialize(model, opt)\\n")  # (2, "amp.initialize")
+    """
+    try:
+        tree = ast.parse(source, filename)
+    except SyntaxError:
+        return None
+    bound: Dict[str, str] = {}  # local name -> the dotted name it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                bound[a.asname or a.name] = f"{node.module}.{a.name}"
+    wanted = {f"{m}.initialize" for m in _INITIALIZERS}
+    calls = [
+        (node.lineno, ast.unparse(node.func)) for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and _dotted(node.func, bound) in wanted
+    ]
+    return min(calls) if calls else None

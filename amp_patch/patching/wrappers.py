@@ -42,7 +42,7 @@ import logging
 import os
 import sys
 from threading import get_ident
-from types import MethodType
+from types import MethodType, ModuleType
 from typing import Any, Callable, Optional
 
 import torch
@@ -370,7 +370,7 @@ def make_wrapper(
             fn = _promote(original, general, cache, live)
         else:
             fn = _fixed(original, to, general, cache, live)
-        if fast is not None and not (policy == "half" and qualname in UNDER_CPU_AUTOCAST):
+        if fast and not (policy == "half" and qualname in UNDER_CPU_AUTOCAST):
             # The same decisions with the common call's check in C (_fastpath.c);
             # any other call still reaches ``fn`` through wrapt.
             kind = fast.FastMethodWrapper if method else fast.FastOpWrapper
@@ -611,20 +611,43 @@ def wrapt_has_c_extension() -> bool:
     return wrapt.FunctionWrapper is getattr(_wrappers, "FunctionWrapper", None)
 
 
+class _FastPathModule(ModuleType):
+    """The C fast path's module, which says in words that it is in use when printed."""
+
+    def __repr__(self) -> str:
+        return f"the C fast path is in use: patched ops make their common call in C ({self.__file__})"
+
+
+class NoFastPath:
+    """``fast`` where the C fast path is not in use: false, and printed as the reason."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"the C fast path is not in use: patched ops run the pure-Python wrappers, slower per call ({self.reason})"
+
+
 # The C fast path (built from _fastpath.c when a compiler was there at install;
 # AMP_PATCH_PURE_PYTHON=1 turns it off, to compare or to debug). Imported last:
-# it reads ``disabled`` and ``python_only`` from this module.
+# it reads ``disabled`` and ``python_only`` from this module. ``print(fast)``
+# says which is in use; code asks ``if fast:``.
 FAST_UNAVAILABLE = ""
+fast: Any
 if os.environ.get("AMP_PATCH_PURE_PYTHON", "") not in ("", "0"):
-    fast = None
     FAST_UNAVAILABLE = "AMP_PATCH_PURE_PYTHON is set"
 else:
     try:
         from . import _fastpath as fast
+
+        fast.__class__ = _FastPathModule
     except ImportError as exc:  # no compiler at install, or wrapt without its C extension
-        fast = None
         FAST_UNAVAILABLE = str(exc)
-if fast is None:
+if FAST_UNAVAILABLE:
+    fast = NoFastPath(FAST_UNAVAILABLE)
     logging.getLogger("amp_patch").debug(
         "amp_patch: patched ops run the pure-Python wrappers (slower per call): %s", FAST_UNAVAILABLE
     )

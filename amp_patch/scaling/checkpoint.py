@@ -2,9 +2,10 @@
 scalers, and ``counters``."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, List, Optional
 
-from .. import diagnostics
+from .. import diagnostics, session
 from ..errors import ConfigError
 from .api import current
 from .patches import ensure_patches
@@ -79,8 +80,6 @@ def load_state_dict(state: dict, *, strict: bool = True) -> None:
         optimizer.load_state_dict(ckpt["optimizer"])
         amp_patch.load_state_dict(ckpt["amp"])
     """
-    import copy
-
     amp = current("load_state_dict")
     if not isinstance(state, dict):
         raise ConfigError(f"amp_patch.load_state_dict expects the dict amp_patch.state_dict() returned, got {type(state).__name__}")
@@ -116,22 +115,34 @@ def load_state_dict(state: dict, *, strict: bool = True) -> None:
 
 
 def counters() -> Dict[str, Any]:
-    """Steps taken and skipped, and each loss's scale.
+    """Steps taken and skipped, and each loss's scale; after ``deinitialize``,
+    the last run's.
 
     Returns:
         ``{"steps": int, "skipped": int, "loss_scale": [float per loss],
-        "losses": [{"loss_scale", "steps", "skipped", "growth_tracker"}],
+        "losses": [{"loss_scale", "dynamic", "steps", "skipped", "growth_tracker"}],
         "optimizers": [{"steps", "skipped", "fused"}]}``; ``steps`` and
         ``skipped`` sum the optimizers' ``step()`` calls that ran and that
         were skipped; ``fused`` counts the steps the fused update ran (under
-        ``fused_update=True``; the rest were plain O2 steps).
+        ``fused_update=True``; the rest were plain O2 steps). A loss whose
+        scale is inactive (BF16, a static 1.0) counts its steps too.
+
+    Raises:
+        StateError: no run has started yet.
 
     Example::
 
         c = amp_patch.counters()
         print(f"skipped {c['skipped']} of {c['steps'] + c['skipped']} steps; scale {c['loss_scale'][0]:g}")
     """
-    amp = current("counters")
+    last = session.ended()
+    if session.current() is None and last is not None:
+        return copy.deepcopy(last.counters)  # the caller may edit its copy
+    return counters_of(current("counters"))
+
+
+def counters_of(amp: Any) -> Dict[str, Any]:
+    """``counters()`` of the session ``amp``."""
     run = run_of(amp)
     opts = [{"steps": h.steps, "skipped": h.skipped, "fused": h.fused.steps if h.fused is not None else 0}
             for h in run.handles]
@@ -140,7 +151,8 @@ def counters() -> Dict[str, Any]:
         "skipped": sum(o["skipped"] for o in opts),
         "loss_scale": [s.scale for s in run.scalers],
         "losses": [
-            {"loss_scale": s.scale, "steps": s.steps, "skipped": s.skipped, "growth_tracker": s.growth_tracker}
+            {"loss_scale": s.scale, "dynamic": s.dynamic, "steps": s.steps, "skipped": s.skipped,
+             "growth_tracker": s.growth_tracker}
             for s in run.scalers
         ],
         "optimizers": opts,

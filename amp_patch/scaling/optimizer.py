@@ -57,13 +57,11 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
         # A skip decision stands until the next backward: a second step() with
         # no backward in between must not apply the overflowed gradients.
         h.skip = None
-    if skip:
-        h.skipped += 1
-    else:
+    if not skip:
         out = h.originals["step"](*args, **kwargs)
         if mw is not None:
             mw.refresh()
-        h.steps += 1
+    h.count(skip)
     if mw is not None:
         mw.consumed()
     return None if skip else out
@@ -85,7 +83,7 @@ def _fused_step(run: Run, h: Handle) -> bool:
     if plan is None or not h.fused.run(plan):
         return False
     h.skip = None
-    h.steps += 1
+    h.count(skipped=False)
     h.masters.consumed()
     return True
 

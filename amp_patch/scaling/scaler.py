@@ -155,12 +155,11 @@ class LossScaler:
             return
         self.consecutive_skips = 0
         self.skips_at_min = 0
-        if self.dynamic:
-            self.growth_tracker += 1
-            if self.growth_tracker >= self.growth_interval:
-                self.scale = min(self.scale * self.growth_factor, self.max_scale)
-                self.growth_tracker = 0
-                self.hysteresis_left = self.hysteresis
+        self.growth_tracker += 1  # Apex's _unskipped counts a static scale's clean steps too
+        if self.dynamic and self.growth_tracker >= self.growth_interval:
+            self.scale = min(self.scale * self.growth_factor, self.max_scale)
+            self.growth_tracker = 0
+            self.hysteresis_left = self.hysteresis
 
     # ------------------------------------------------------------- state
 

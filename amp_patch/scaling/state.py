@@ -76,6 +76,15 @@ class Handle:
         self.steps = 0
         self.skipped = 0
 
+    def count(self, skipped: bool) -> None:
+        """Count one call of the optimizer's ``step()``, taken or ``skipped``
+        (and, once per round, the losses whose scale is inactive: ``Run.count_unscaled``)."""
+        if skipped:
+            self.skipped += 1
+        else:
+            self.steps += 1
+        self.run.count_unscaled(self)
+
     def move(self, stage: Stage, loss: Optional[int] = None) -> None:
         """Go to ``stage`` (``loss``: the loss of a scaled backward); StateError for a move ``MOVES`` lacks."""
         if stage not in MOVES[self.stage]:
@@ -142,6 +151,7 @@ class Run:
         self.plain = False  # the patched backward has work to do
         self.notices = _Notices(amp.options.verbosity)
         self.warned_foreign = False  # said once that a backward reached an unattached optimizer's parameters
+        self.round: set = set()  # ids of the handles that stepped in this round (``count_unscaled``)
         self.configure(amp.options)
 
     def new_scaler(self, opts: Options) -> LossScaler:
@@ -155,6 +165,23 @@ class Run:
         self.max_skips = opts.max_consecutive_skips
         self.notices.verbosity = opts.verbosity
         self.refresh_plain()
+
+    def count_unscaled(self, h: Handle) -> None:
+        """A step of every loss whose scaler is inactive (BF16, a static 1.0), once per round.
+
+        No skip decision is taken for such a loss, and nothing records which
+        optimizers it fed, so its steps are counted in rounds of optimizer
+        steps: a round starts at the first step, and again whenever an
+        optimizer that already stepped in it steps again. That is one step per
+        training iteration when each optimizer steps once per iteration, as
+        an active scaler counts one skip decision per iteration.
+        """
+        if not self.round or id(h) in self.round:
+            self.round.clear()
+            for s in self.scalers:
+                if not s.active:
+                    s.update(False)
+        self.round.add(id(h))
 
     def refresh_plain(self) -> None:
         self.plain = bool(self.handles) and (
