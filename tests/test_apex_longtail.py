@@ -420,6 +420,7 @@ def test_multi_tensor_l2norm_scale_and_apex_c():
 # ================================================================ apex.contrib
 
 
+@pytest.mark.quick
 def test_contrib_clip_grad_norm_is_the_total_norm_clip():
     ps = [nn.Parameter(t) for t in tensors((4, 3), (3,))]
     grads = tensors((4, 3), (3,), seed=1)
@@ -704,6 +705,7 @@ def test_edits_of_apex_lists_come_after_the_launchers_lists(tmp_path):
 # ================================================================ smaller modules
 
 
+@pytest.mark.quick
 def test_apex_mlp_is_linear_layers_each_followed_by_the_activation():
     mlp = MLP([5, 4, 3])
     (x,) = tensors((2, 5))
@@ -714,6 +716,7 @@ def test_apex_mlp_is_linear_layers_each_followed_by_the_activation():
         MLP([2, 2], activation="tanh")
 
 
+@pytest.mark.quick
 def test_fused_dense_layers():
     dense, ffn = FusedDense(5, 4), FusedDenseGeluDense(5, 6, 3)
     (x,) = tensors((2, 5))
@@ -724,6 +727,7 @@ def test_fused_dense_layers():
         assert dense(x).dtype == torch.bfloat16
 
 
+@pytest.mark.quick
 def test_reparameterization_weight_norm():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2))
