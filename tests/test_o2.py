@@ -297,6 +297,9 @@ def test_zero_grad_clears_model_and_master_gradients(set_to_none):
         x, y = batch()
         F.mse_loss(model(x), y).backward()
         assert all(p.grad is not None and p.grad.dtype == bf16 for p in model.parameters())
+        # reading the masters moves the gradients there (the one-pass step, reading the half
+        # gradients, would consume them and leave the masters none); the step leaves them
+        assert all(m.grad is not None and m.grad.dtype == f32 for m in amp_patch.master_params(opt))
         opt.step()
         assert all(m.grad is not None and m.grad.dtype == f32 for m in amp_patch.master_params(opt))
         F.mse_loss(model(x), y).backward()  # half gradients waiting for the next step

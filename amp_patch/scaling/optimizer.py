@@ -49,8 +49,10 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
             )
         args, kwargs = (_AbsorbAfter(closure, run),) + tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
     mw = h.masters
-    if h.fused is not None and closure is None and _fused_step(run, h):
-        return None
+    if closure is None and mw is not None:
+        for update in (h.kernel, h.fused):  # the one-pass C step; the compiled update where it cannot go
+            if update is not None and _fused_step(run, h, update):
+                return None
     decide_skips(run)
     skip = bool(h.skip)
     if not skip:
@@ -60,17 +62,21 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
     if skip:
         h.skipped += 1
     else:
-        out = h.originals["step"](*args, **kwargs)
-        if mw is not None:
-            mw.refresh()
+        if closure is None and h.kernel is not None and h.kernel.step_masters():
+            out = None  # the masters' FP32 gradients applied, and the model written, in one pass
+        else:
+            out = h.originals["step"](*args, **kwargs)
+            if mw is not None:
+                mw.refresh()
         h.steps += 1
     if mw is not None:
         mw.consumed()
     return None if skip else out
 
 
-def _fused_step(run: Run, h: Handle) -> bool:
-    """Take this step with the fused update if its gradients are all still in the half model.
+def _fused_step(run: Run, h: Handle, update: Any) -> bool:
+    """Take this step with ``update`` (``h.kernel``, the one-pass C step, or
+    ``h.fused``, the compiled one) if its gradients are all still in the half model.
 
     Returns False, with nothing done, when the plain step must run instead.
     Under a scaled loss the half gradients are checked where they are; the
@@ -80,14 +86,14 @@ def _fused_step(run: Run, h: Handle) -> bool:
     mw = h.masters
     if l is None or h.fed_by or h.parked is not None or mw.holds_partial_sum:
         return False
-    plan = h.fused.plan()
+    plan = update.plan()
     if plan is None:
         return False
     scaler = run.scalers[l]
     # the scale this backward ran with (the skip decision may change it); 1.0 when not scaled
     inv = run.inv_scale(l, plan.device, scaler.scale if scaler.active else 1.0)
     if scaler.active:
-        flag = h.fused.non_finite(plan)
+        flag = update.non_finite(plan)
         if flag is None:  # the check did not compile: the plain step checks instead
             return False
         run.found_flag(l, plan.device).add_(flag)
@@ -97,13 +103,13 @@ def _fused_step(run: Run, h: Handle) -> bool:
         run.undecided = True
         decide_skips(run)
         if h.skip:  # as the plain step: the skip decision stands until the next backward
-            h.fused.drop_grads(plan)
+            update.drop_grads(plan)
             h.skipped += 1
             mw.consumed()
             return True
         h.skip = None
     h.move(Stage.READY)
-    if not h.fused.run(plan, inv):  # the compile failed: the plain step, from the half gradients
+    if not update.run(plan, inv):  # the compile failed: the plain step, from the half gradients
         mw.collect_grads(None)
         grads = [m.grad for m in mw.masters if m.grad is not None]
         grads += [p.grad for p in h.own_params() if p.grad is not None]
@@ -212,8 +218,10 @@ def attach(amp: Any, optimizers: Sequence[torch.optim.Optimizer], built: Optiona
         if h.patched:
             continue
         if built and id(opt) in built:
-            h.masters, h.fused = built[id(opt)]
+            h.masters, h.fused, h.kernel = built[id(opt)]
         _patch(h)
+        if h.kernel is not None:
+            h.kernel.original = h.originals["step"]
         run.handles.append(h)
         amp.undo.push(_RestoreMethods(amp, h))
     ensure_patches(amp)

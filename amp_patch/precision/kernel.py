@@ -1,0 +1,294 @@
+"""The default O2/O5 optimizer step: one pass per parameter, in C.
+
+The plain O2 step moves every parameter through memory three or four times:
+the half gradient into an FP32 buffer, the unscale, the optimizer's update of
+the FP32 master, the master into the half model. ``_fusedstep.c`` does it in
+one pass: it reads each gradient once (FP32, BF16 or FP16, multiplied by the
+inverse loss scale as it is read), updates the FP32 master and the optimizer
+state, and writes the half weight. It starts at once (no compiler at run
+time), is vectorized for the CPU it finds, and uses torch's intra-op thread
+count. It computes what the plain step computes, bit for bit on the masters
+and the optimizer state: each update is written with the float operations of
+torch's own CPU implementation, in their order.
+
+It serves two sources of gradients, whichever is present at the step:
+
+- the model's half gradients, still scaled, when nothing moved them into the
+  masters before the step (the common loop: backward, step). Under FP16 a
+  first pass over them (2 bytes per parameter) checks for inf/NaN, so the
+  step's skip decision comes before anything changes; the update unscales as
+  it reads. The masters' FP32 gradient buffers are then never needed, and are
+  freed.
+- the masters' own FP32 gradients, already unscaled (gradient accumulation,
+  ``clip_grad_norm_`` or ``unscale_`` before the step): the kernel replaces the
+  optimizer's update and the copy into the half model.
+
+What it covers: ``torch.optim.SGD`` (momentum, dampening, nesterov,
+weight_decay, maximize) and ``Adam``/``AdamW`` (amsgrad, weight_decay,
+maximize), exactly those classes, with float hyperparameters, on dense,
+contiguous FP32 CPU tensors whose optimizer state exists. Everything else
+takes the plain step (or, under ``fused_update=True``, the compiled one where
+that applies): other optimizers and subclasses, ``foreach``/``fused``/
+``capturable``/``differentiable`` set, a tensor learning rate, sparse or
+complex gradients, CUDA or non-contiguous tensors, the first step (it creates
+the optimizer state), an optimizer whose ``step`` was replaced or that has
+step hooks. Without a C compiler at install the module is absent and every
+step is the plain one.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from typing import Any, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+log = logging.getLogger("amp_patch")
+Tensor = torch.Tensor
+f32 = torch.float32
+
+try:
+    from . import _fusedstep as native
+    UNAVAILABLE = ""
+except ImportError as exc:  # no compiler at install: the plain step
+    native = None  # type: ignore[assignment]
+    UNAVAILABLE = str(exc)
+    log.debug("amp_patch: the one-pass O2 step is not built (%s); the plain step runs", exc)
+
+#: the gradient / half-weight dtypes the kernel reads and writes, and their codes in _fusedstep.c
+KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_CPU = torch.device("cpu")
+_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+SGD, ADAM, ADAMW = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
+
+
+def refused(optimizer: torch.optim.Optimizer, step: Any = None) -> Optional[str]:
+    """Why the kernel cannot take this optimizer's step now, or None when it can
+    (as far as the optimizer goes; the tensors are checked by ``KernelStep.plan``).
+
+    ``step`` is the callable the plain step would call (the optimizer's own
+    ``step``): one that is not the class's, or any step hook, is the user's
+    code, and only the plain step runs it.
+    """
+    cls = type(optimizer)
+    if cls is not SGD and cls is not ADAM and cls is not ADAMW:
+        return f"{cls.__name__} is not torch.optim.SGD, Adam or AdamW"
+    for group in optimizer.param_groups:
+        for flag in _FLAGS:
+            if group.get(flag):
+                return f"{cls.__name__}({flag}=True)"
+        if isinstance(group["lr"], Tensor) or isinstance(group.get("weight_decay"), Tensor):
+            return "a tensor learning rate or weight decay"
+        if cls is not SGD and any(isinstance(b, Tensor) for b in group["betas"]):
+            return "tensor betas"
+    if step is not None:
+        own = getattr(step, "__func__", None) or getattr(step, "__wrapped__", None)  # the LR scheduler's wrapper
+        if own is not cls.step:
+            return "optimizer.step was replaced"
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or _global_optimizer_post_hooks:
+        return "an optimizer step hook"
+    if any(not getattr(getattr(h, "__self__", None), "amp_patch_internal", False) for h in _global_optimizer_pre_hooks.values()):
+        return "an optimizer step hook"
+    return None
+
+
+def _torch_sqrt_address() -> int:
+    """The address of the routine ``torch.sqrt`` runs on FP32 CPU tensors where torch is
+    built with MKL (its ``vsSqrt``, exported by torch's own library), or 0."""
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"),
+                          mode=getattr(os, "RTLD_NOLOAD", 0))
+        return ctypes.cast(lib.vsSqrt, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):
+        return 0
+
+
+def _gives_torch_sqrt() -> bool:
+    """Whether the kernel's square root gives ``torch.sqrt``'s bits on values of every magnitude."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(4093, generator=g) * torch.logspace(-40, 38, 4093)
+    x = torch.cat([x, torch.tensor([0.0, float("inf"), 1e-45, 1.0, 2.0, 3.0])])
+    r = torch.empty_like(x)
+    native.sqrt(x.data_ptr(), r.data_ptr(), x.numel())
+    return torch.equal(r.view(torch.int32), x.sqrt().view(torch.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def sqrt_mode() -> str:
+    """How Adam's denominator takes its square root, chosen once per process.
+
+    ``"torch"``: with torch's own routine (an MKL build, whose ``torch.sqrt``
+    is within 1 ulp but not always correctly rounded), so Adam is bit for bit
+    the plain step; ``"ieee"``: the CPU's correctly rounded one, which is what
+    this torch's ``sqrt`` gives, bit for bit too; ``"approximate"``: neither
+    matches, and Adam's masters stay within a few ulps of the plain step's
+    (tests/test_fused_step_c.py states the bound). "" when the kernel is not built.
+    """
+    if native is None:
+        return ""
+    addr = _torch_sqrt_address()
+    if addr:
+        native.set_sqrt(addr)
+        if _gives_torch_sqrt():
+            return "torch"
+    native.set_sqrt(0)
+    return "ieee" if _gives_torch_sqrt() else "approximate"
+
+
+class Plan(NamedTuple):
+    """One step's work: per param group ``(items, halfs, grad_owners)``; ``device`` is the CPU."""
+
+    groups: List[Tuple[List[tuple], List[Tensor], List[Tensor]]]
+    keep: List[Tensor]  # every tensor whose pointer an item holds, alive until the call returns
+    from_half: bool
+    device: torch.device = _CPU
+
+
+def _ok(t: Tensor, n: int) -> bool:
+    """A dense, contiguous CPU tensor of ``n`` elements."""
+    return t.device.type == "cpu" and t.layout is torch.strided and t.is_contiguous() and t.numel() == n
+
+
+def _ptr(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class KernelStep:
+    """The one-pass step of one optimizer's FP32 masters (see the module docstring)."""
+
+    def __init__(self, masters: Any):
+        self.mw = masters  # master.MasterWeights
+        self.steps = 0  # steps the kernel took
+        sqrt_mode()
+        self.adam = type(masters.optimizer) is not SGD
+        #: the optimizer's step as the plain step would call it (set when amp_patch patches the optimizer)
+        self.original: Any = None
+
+    def plan(self, from_half: bool = True) -> Optional[Plan]:
+        """The work of this step, or None when the plain step must run. Changes nothing.
+
+        ``from_half``: the gradients are the model's half ones (scaled) and the
+        FP32 parameters' own; else the masters' FP32 gradients, unscaled.
+        """
+        mw = self.mw
+        opt = mw.optimizer
+        if native is None or refused(opt, self.original) is not None:
+            return None
+        state = opt.state
+        groups = []
+        keep: List[Tensor] = []
+        for group in opt.param_groups:
+            items: List[tuple] = []
+            halfs: List[Tensor] = []
+            owners: List[Tensor] = []
+            momentum = not self.adam and group["momentum"] != 0
+            amsgrad = self.adam and group["amsgrad"]
+            for p in group["params"]:
+                i = mw.index.get(id(p))
+                h = mw.halfs[i] if i is not None and mw.masters[i] is p else None
+                if h is not None and from_half:
+                    g = h.grad
+                    if g is None:
+                        if mw.zeroed and p.grad is not None:
+                            return None  # a master that steps on its kept zero gradient: the plain step's case
+                        continue
+                    owners.append(h)
+                else:
+                    g = p.grad
+                    if g is None:
+                        continue
+                    owners.append(p)
+                n = p.numel()
+                if p.dtype != f32 or not _ok(p, n) or g.layout is not torch.strided or not _ok(g, n):
+                    return None
+                gk = KINDS.get(g.dtype)
+                if gk is None:
+                    return None
+                hk = 0
+                if h is not None:
+                    hk = KINDS.get(h.dtype, 0)
+                    if not hk or not _ok(h, n):
+                        return None
+                    halfs.append(h)
+                s = state.get(p)
+                a = b = c = step = None
+                if momentum:
+                    a = s.get("momentum_buffer") if s else None
+                    if a is None:
+                        return None  # the first step creates it
+                elif self.adam:
+                    if not s or "exp_avg" not in s or (amsgrad and "max_exp_avg_sq" not in s):
+                        return None
+                    a, b, step = s["exp_avg"], s["exp_avg_sq"], s["step"]
+                    c = s["max_exp_avg_sq"] if amsgrad else None
+                    if (not isinstance(step, Tensor) or step.dtype != f32 or not _ok(step, 1)
+                            or any(t.dtype != f32 or not _ok(t, n) for t in (a, b) + ((c,) if amsgrad else ()))):
+                        return None
+                if momentum and (a.dtype != f32 or not _ok(a, n)):
+                    return None
+                keep += [t for t in (p, g, a, b, c, step, h) if t is not None]
+                items.append((p.data_ptr(), g.data_ptr(), gk, _ptr(a), _ptr(b), _ptr(c), _ptr(h), hk, n, _ptr(step)))
+            groups.append((items, halfs, owners))
+        if not any(items for items, _, _ in groups):
+            return None  # no gradient at all: the plain step has nothing to do either
+        return Plan(groups, keep, from_half)
+
+    def non_finite(self, plan: Plan) -> float:
+        """1.0 if a gradient of ``plan`` holds inf or NaN, else 0.0 (one read of each)."""
+        threads = torch.get_num_threads()
+        return float(any(native.non_finite(items, threads) for items, _, _ in plan.groups if items))
+
+    @torch.no_grad()
+    def run(self, plan: Plan, inv: Any = 1.0) -> bool:
+        """Update every param group of ``plan``, gradients multiplied by ``inv`` (1 / loss
+        scale: a float or a 0-d tensor); write the half weights. Returns True (it cannot fail).
+
+        Consumes what it read: the half gradients (``from_half``), or leaves the
+        masters' gradients to the optimizer's ``zero_grad`` as the plain step does.
+        """
+        opt = self.mw.optimizer
+        inv = float(inv)
+        threads = torch.get_num_threads()
+        for group, (items, halfs, _) in zip(opt.param_groups, plan.groups):
+            if not items:
+                continue
+            if self.adam:
+                b1, b2 = group["betas"]
+                decoupled = bool(group.get("decoupled_weight_decay", type(opt) is ADAMW))
+                native.adam(items, threads, inv, group["maximize"], group["weight_decay"], decoupled, group["lr"],
+                            b1, b2, group["eps"], group["amsgrad"])
+            else:
+                native.sgd(items, threads, inv, group["maximize"], group["weight_decay"], group["momentum"],
+                           group["dampening"], group["nesterov"], group["lr"])
+            if halfs:
+                # the model's weights changed in place, behind autograd's back: a graph that saved them must say so
+                torch.autograd.graph.increment_version(halfs)
+        self.steps += 1
+        if plan.from_half:
+            self.drop_grads(plan)
+            self.mw.release_grad_buffers()
+        return True
+
+    @staticmethod
+    def drop_grads(plan: Plan) -> None:
+        """Clear the gradients a step from the half model consumed (or skipped): the
+        model's half gradients and the FP32 parameters' own (still scaled under FP16)."""
+        if not plan.from_half:
+            return
+        for _, _, owners in plan.groups:
+            for t in owners:
+                t.grad = None
+
+    def step_masters(self) -> bool:
+        """The plain step's work on gradients already in the masters (FP32, unscaled):
+        the optimizer's update and the copy into the half model, in one pass.
+
+        Returns False, with nothing done, when the plain step must run instead.
+        """
+        plan = self.plan(from_half=False)
+        if plan is None:
+            return False
+        return self.run(plan)
