@@ -40,6 +40,23 @@ sys.path.insert(0, str(HERE))
 from workloads import MODES, Runner, build  # noqa: E402
 
 WORKLOADS = ("simplenet", "transformer", "convnet", "smallops")
+#: issue 25's targets, checked at the end of a run (not with --quick or --no-assert):
+#: (workload, mode) -> the most its step may take, as a ratio to autocast's in the same rounds
+TARGETS = {("simplenet", "O2"): 0.85, ("transformer", "O2"): 0.97}
+
+
+def missed_targets(results: Dict) -> List[str]:
+    """The targets a run missed, in words: the ratios above, and O2's peak memory below autocast's."""
+    missed = []
+    for (wl, mode), most in TARGETS.items():
+        m = results.get(wl, {}).get("modes", {})
+        if mode in m and "autocast" in m and not m[mode]["ratio_autocast"] <= most:
+            missed.append(f"{wl} {mode}: {m[mode]['ratio_autocast']:.2f}x autocast, target <= {most}")
+    for wl, res in results.items():
+        m = res["modes"]
+        if "O2" in m and "autocast" in m and not m["O2"]["mem_mb"] < m["autocast"]["mem_mb"]:
+            missed.append(f"{wl} O2 peak memory {m['O2']['mem_mb']:.1f} MB, not below autocast's {m['autocast']['mem_mb']:.1f}")
+    return missed
 
 
 def _sync(device):
@@ -193,6 +210,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1 on CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (smoke test)")
     ap.add_argument("--no-write", action="store_true", help="print only; do not touch RESULTS.md")
+    ap.add_argument("--no-assert", action="store_true", help="do not check the targets (TARGETS) at the end")
     ap.add_argument("--output", default=str(HERE / "RESULTS.md"))
     args = ap.parse_args(argv)
     if args.threads is None:
@@ -229,6 +247,9 @@ def main(argv=None):
     print(text)
     if not args.no_write:
         write_results(args.output, f"suite-{args.device}", header + "\n\n" + text + f"\n\nCommand: `{command}`")
+    if not (args.quick or args.no_assert):
+        missed = missed_targets(results)
+        assert not missed, "targets missed: " + "; ".join(missed)
     return results
 
 

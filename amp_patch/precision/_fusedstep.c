@@ -15,8 +15,11 @@
    addcmul_ is fma(s * t1, t2, self), lerp_ with a small weight is
    fma(w, end - self, self), mul_ and the division of addcdiv_ are plain. The
    file is compiled with -ffp-contract=off, so the compiler fuses nothing we
-   did not write: the masters and the state come out bit for bit as the plain
-   step's (tests/test_fused_step_c.py).
+   did not write. torch.sqrt on an MKL build is MKL's vsSqrt, within 1 ulp but
+   not always correctly rounded: Adam calls that very routine (set_sqrt; the
+   Python side checks it against torch.sqrt first) on blocks small enough to
+   stay in L1 between the two halves of its update. The masters and the
+   state come out bit for bit as the plain step's (tests/test_fused_step_c.py).
 
    Vectorized by hand for AVX-512 and AVX2 (+FMA, F16C) in functions with
    target attributes, chosen at run time (__builtin_cpu_supports), with a

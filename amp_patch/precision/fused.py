@@ -12,6 +12,11 @@ gradient exists, so the masters' gradient buffers are freed as well; the step
 consumes the gradients it read (the model's half ones and those of parameters
 kept in FP32), as the plain step consumes the masters' sum.
 
+Where the one-pass C step (``kernel.py``, the O2/O5 default where it is
+built) can take a step it does, under ``fused_update=True`` too: it starts at
+once and is faster. This compiled update is for the rest of what it covers
+(CUDA or non-contiguous tensors, or no C compiler at install).
+
 What it covers, and why the rest falls back to the plain step:
 
 - ``torch.optim.SGD``, ``Adam`` and ``AdamW`` with their standard options
