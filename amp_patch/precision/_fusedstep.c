@@ -251,89 +251,7 @@ AVX512_TARGET static inline __m512 z_max_nan(__m512 a, __m512 b) {
     return _mm512_mask_mov_ps(m, un, _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
 }
 
-#define Z_BAD(acc, g) acc = _mm512_add_ps(acc, _mm512_mul_ps(g, _mm512_setzero_ps())) /* NaN iff g inf/NaN */
-
-AVX512_TARGET static int sgd_avx512(const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {
-    const int64_t W = 16;
-    int64_t end = lo + (hi - lo) / W * W;
-    __m512 inv = _mm512_set1_ps(hp->inv), wd = _mm512_set1_ps(hp->wd), mom = _mm512_set1_ps(hp->mom);
-    __m512 omd = _mm512_set1_ps(hp->omd), nlr = _mm512_set1_ps(hp->neg_lr), acc = _mm512_setzero_ps();
-    __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u));
-    for (int64_t i = lo; i < end; i += W) {
-        __m512 p = _mm512_loadu_ps(it->p + i);
-        __m512 g = _mm512_mul_ps(z_load_g(it->g, it->gk, i), inv);
-        Z_BAD(acc, g);
-        if (hp->maximize) g = _mm512_xor_ps(g, sign);
-        if (hp->has_wd) g = _mm512_fmadd_ps(p, wd, g);
-        if (hp->has_mom) {
-            __m512 b = _mm512_mul_ps(_mm512_loadu_ps(it->a + i), mom);
-            b = _mm512_fmadd_ps(g, omd, b);
-            _mm512_storeu_ps(it->a + i, b);
-            g = hp->nesterov ? _mm512_fmadd_ps(b, mom, g) : b;
-        }
-        p = _mm512_fmadd_ps(g, nlr, p);
-        _mm512_storeu_ps(it->p + i, p);
-        z_store_h(it->h, it->hk, i, p);
-    }
-    int bad = _mm512_cmp_ps_mask(acc, acc, _CMP_UNORD_Q) != 0;
-    return bad | sgd_scalar(it, hp, end, hi);
-}
-
-AVX512_TARGET static int adam_moments_avx512(const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {
-    const int64_t W = 16;
-    int64_t end = lo + (hi - lo) / W * W;
-    __m512 inv = _mm512_set1_ps(hp->inv), wd = _mm512_set1_ps(hp->wd), decay = _mm512_set1_ps(hp->decay);
-    __m512 w = _mm512_set1_ps(hp->small ? hp->w1 : hp->w1m1), b2 = _mm512_set1_ps(hp->beta2);
-    __m512 omb2 = _mm512_set1_ps(hp->omb2), acc = _mm512_setzero_ps();
-    __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u));
-    for (int64_t i = lo; i < end; i += W) {
-        __m512 p = _mm512_loadu_ps(it->p + i);
-        __m512 g = _mm512_mul_ps(z_load_g(it->g, it->gk, i), inv);
-        Z_BAD(acc, g);
-        if (hp->maximize) g = _mm512_xor_ps(g, sign);
-        if (hp->has_wd) {
-            if (hp->decoupled) _mm512_storeu_ps(it->p + i, _mm512_mul_ps(p, decay));
-            else g = _mm512_fmadd_ps(p, wd, g);
-        }
-        __m512 m = _mm512_loadu_ps(it->a + i);
-        m = _mm512_fmadd_ps(w, _mm512_sub_ps(g, m), hp->small ? m : g);
-        _mm512_storeu_ps(it->a + i, m);
-        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(it->b + i), b2);
-        v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, v);
-        _mm512_storeu_ps(it->b + i, v);
-        if (hp->amsgrad) _mm512_storeu_ps(it->c + i, z_max_nan(_mm512_loadu_ps(it->c + i), v));
-    }
-    int bad = _mm512_cmp_ps_mask(acc, acc, _CMP_UNORD_Q) != 0;
-    return bad | adam_moments_scalar(it, hp, end, hi);
-}
-
-AVX512_TARGET static void adam_master_avx512(const Item *it, const Hyper *hp, int64_t lo, int64_t hi, const float *root) {
-    const int64_t W = 16;
-    int64_t end = lo + (hi - lo) / W * W;
-    __m512 eps = _mm512_set1_ps(hp->eps), bc2 = _mm512_set1_ps(it->bc2), nstep = _mm512_set1_ps(it->neg_step);
-    for (int64_t i = lo; i < end; i += W) {
-        __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_loadu_ps(root + (i - lo)), bc2), eps);
-        __m512 q = _mm512_div_ps(_mm512_mul_ps(nstep, _mm512_loadu_ps(it->a + i)), den);
-        __m512 p = _mm512_add_ps(_mm512_loadu_ps(it->p + i), q);
-        _mm512_storeu_ps(it->p + i, p);
-        z_store_h(it->h, it->hk, i, p);
-    }
-    adam_master_scalar(it, hp, end, hi, root + (end - lo));
-}
-
-AVX512_TARGET static void sqrt_avx512(const float *x, float *r, int64_t n) {
-    int64_t end = n / 16 * 16;
-    for (int64_t i = 0; i < end; i += 16) _mm512_storeu_ps(r + i, _mm512_sqrt_ps(_mm512_loadu_ps(x + i)));
-    sqrt_scalar(x + end, r + end, n - end);
-}
-
-AVX512_TARGET static int check_avx512(const Item *it, int64_t lo, int64_t hi) {
-    const int64_t W = 16;
-    int64_t end = lo + (hi - lo) / W * W;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = lo; i < end; i += W) Z_BAD(acc, z_load_g(it->g, it->gk, i));
-    return (_mm512_cmp_ps_mask(acc, acc, _CMP_UNORD_Q) != 0) | check_scalar(it, end, hi);
-}
+#define z_ANY_NAN(acc) (_mm512_cmp_ps_mask(acc, acc, _CMP_UNORD_Q) != 0)
 
 /* --- AVX2 */
 AVX2_TARGET static inline __m256 y_load_g(const void *g, int gk, int64_t i) {
@@ -366,88 +284,165 @@ AVX2_TARGET static inline __m256 y_max_nan(__m256 a, __m256 b) {
     return _mm256_or_ps(m, un);
 }
 
-#define Y_BAD(acc, g) acc = _mm256_add_ps(acc, _mm256_mul_ps(g, _mm256_setzero_ps()))
-#define Y_ANY_NAN(acc) (_mm256_movemask_ps(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q)) != 0)
+#define y_ANY_NAN(acc) (_mm256_movemask_ps(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q)) != 0)
 
-AVX2_TARGET static int sgd_avx2(const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {
-    const int64_t W = 8;
-    int64_t end = lo + (hi - lo) / W * W;
-    __m256 inv = _mm256_set1_ps(hp->inv), wd = _mm256_set1_ps(hp->wd), mom = _mm256_set1_ps(hp->mom);
-    __m256 omd = _mm256_set1_ps(hp->omd), nlr = _mm256_set1_ps(hp->neg_lr), acc = _mm256_setzero_ps();
-    __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
-    for (int64_t i = lo; i < end; i += W) {
-        __m256 p = _mm256_loadu_ps(it->p + i);
-        __m256 g = _mm256_mul_ps(y_load_g(it->g, it->gk, i), inv);
-        Y_BAD(acc, g);
-        if (hp->maximize) g = _mm256_xor_ps(g, sign);
-        if (hp->has_wd) g = _mm256_fmadd_ps(p, wd, g);
-        if (hp->has_mom) {
-            __m256 b = _mm256_mul_ps(_mm256_loadu_ps(it->a + i), mom);
-            b = _mm256_fmadd_ps(g, omd, b);
-            _mm256_storeu_ps(it->a + i, b);
-            g = hp->nesterov ? _mm256_fmadd_ps(b, mom, g) : b;
-        }
-        p = _mm256_fmadd_ps(g, nlr, p);
-        _mm256_storeu_ps(it->p + i, p);
-        y_store_h(it->h, it->hk, i, p);
+/* The vector kernels, once for both instruction sets: SUF names them, P is the
+   intrinsics' prefix (_mm512, _mm256), VF the vector type, W its lanes, PRE the
+   helpers' prefix (z_, y_). Each loop is an always-inline function specialized
+   by the switch below it on the gradient and half kinds, with every field it
+   reads copied into a local first (the stores through float pointers could
+   otherwise alias the Item and Hyper it reads, and the compiler would reload
+   them, and branch on them, in every iteration). */
+#define BAD(P, acc, g) acc = P##_add_ps(acc, P##_mul_ps(g, P##_setzero_ps())) /* NaN iff g is inf/NaN */
+#define NEG(P, VF, g) P##_xor_ps(g, P##_castsi##VF##_ps(P##_set1_epi32((int)0x80000000u)))
+
+#define KIND_SWITCH(call_g_h)                                                                     \
+    switch (it->gk * 4 + it->hk) {                                                                \
+    case 1 * 4 + 0: call_g_h(1, 0); break;                                                        \
+    case 1 * 4 + 2: call_g_h(1, 2); break;                                                        \
+    case 1 * 4 + 3: call_g_h(1, 3); break;                                                        \
+    case 2 * 4 + 0: call_g_h(2, 0); break;                                                        \
+    case 2 * 4 + 2: call_g_h(2, 2); break;                                                        \
+    case 2 * 4 + 3: call_g_h(2, 3); break;                                                        \
+    case 3 * 4 + 0: call_g_h(3, 0); break;                                                        \
+    case 3 * 4 + 2: call_g_h(3, 2); break;                                                        \
+    case 3 * 4 + 3: call_g_h(3, 3); break;                                                        \
+    default: call_g_h(it->gk, it->hk); break;                                                     \
     }
-    return Y_ANY_NAN(acc) | sgd_scalar(it, hp, end, hi);
+
+#define DEFINE_VECTOR_KERNELS(SUF, TARGET, P, VF, W, PRE)                                         \
+TARGET static inline __attribute__((always_inline)) int sgd_loop_##SUF(                          \
+        const Item *it, const Hyper *hp, int64_t lo, int64_t end, const int gk, const int hk) {   \
+    float *const pp = it->p, *const aa = it->a;                                                   \
+    const void *const gg = it->g;                                                                 \
+    void *const hh = it->h;                                                                       \
+    const int maximize = hp->maximize, has_wd = hp->has_wd, has_mom = hp->has_mom;                \
+    const int nesterov = hp->nesterov;                                                            \
+    const __m##VF inv = P##_set1_ps(hp->inv), wd = P##_set1_ps(hp->wd), mom = P##_set1_ps(hp->mom); \
+    const __m##VF omd = P##_set1_ps(hp->omd), nlr = P##_set1_ps(hp->neg_lr);                      \
+    __m##VF acc = P##_setzero_ps();                                                               \
+    for (int64_t i = lo; i < end; i += W) {                                                       \
+        __m##VF p = P##_loadu_ps(pp + i);                                                         \
+        __m##VF g = P##_mul_ps(PRE##load_g(gg, gk, i), inv);                                      \
+        BAD(P, acc, g);                                                                           \
+        if (maximize) g = NEG(P, VF, g);                                                          \
+        if (has_wd) g = P##_fmadd_ps(p, wd, g);                                                   \
+        if (has_mom) {                                                                            \
+            __m##VF b = P##_mul_ps(P##_loadu_ps(aa + i), mom);                                    \
+            b = P##_fmadd_ps(g, omd, b);                                                          \
+            P##_storeu_ps(aa + i, b);                                                             \
+            g = nesterov ? P##_fmadd_ps(b, mom, g) : b;                                           \
+        }                                                                                         \
+        p = P##_fmadd_ps(g, nlr, p);                                                              \
+        P##_storeu_ps(pp + i, p);                                                                 \
+        PRE##store_h(hh, hk, i, p);                                                               \
+    }                                                                                             \
+    return PRE##ANY_NAN(acc);                                                                     \
+}                                                                                                 \
+                                                                                                  \
+TARGET static int sgd_##SUF(const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {            \
+    int64_t end = lo + (hi - lo) / W * W;                                                         \
+    int bad = 0;                                                                                  \
+    KIND_SWITCH(SGD_CALL_##SUF)                                                                   \
+    return bad | sgd_scalar(it, hp, end, hi);                                                     \
+}                                                                                                 \
+                                                                                                  \
+TARGET static inline __attribute__((always_inline)) int adam_moments_loop_##SUF(                 \
+        const Item *it, const Hyper *hp, int64_t lo, int64_t end, const int gk) {                 \
+    float *const pp = it->p, *const aa = it->a, *const bb = it->b, *const cc = it->c;            \
+    const void *const gg = it->g;                                                                 \
+    const int maximize = hp->maximize, has_wd = hp->has_wd, decoupled = hp->decoupled;            \
+    const int amsgrad = hp->amsgrad, small = hp->small;                                           \
+    const __m##VF inv = P##_set1_ps(hp->inv), wd = P##_set1_ps(hp->wd), decay = P##_set1_ps(hp->decay); \
+    const __m##VF w = P##_set1_ps(small ? hp->w1 : hp->w1m1), b2 = P##_set1_ps(hp->beta2);        \
+    const __m##VF omb2 = P##_set1_ps(hp->omb2);                                                   \
+    __m##VF acc = P##_setzero_ps();                                                               \
+    for (int64_t i = lo; i < end; i += W) {                                                       \
+        __m##VF g = P##_mul_ps(PRE##load_g(gg, gk, i), inv);                                      \
+        BAD(P, acc, g);                                                                           \
+        if (maximize) g = NEG(P, VF, g);                                                          \
+        if (has_wd) {                                                                             \
+            __m##VF p = P##_loadu_ps(pp + i);                                                     \
+            if (decoupled) P##_storeu_ps(pp + i, P##_mul_ps(p, decay));                           \
+            else g = P##_fmadd_ps(p, wd, g);                                                      \
+        }                                                                                         \
+        __m##VF m = P##_loadu_ps(aa + i);                                                         \
+        m = P##_fmadd_ps(w, P##_sub_ps(g, m), small ? m : g);                                     \
+        P##_storeu_ps(aa + i, m);                                                                 \
+        __m##VF v = P##_mul_ps(P##_loadu_ps(bb + i), b2);                                         \
+        v = P##_fmadd_ps(P##_mul_ps(omb2, g), g, v);                                              \
+        P##_storeu_ps(bb + i, v);                                                                 \
+        if (amsgrad) P##_storeu_ps(cc + i, PRE##max_nan(P##_loadu_ps(cc + i), v));                \
+    }                                                                                             \
+    return PRE##ANY_NAN(acc);                                                                     \
+}                                                                                                 \
+                                                                                                  \
+TARGET static int adam_moments_##SUF(const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {   \
+    int64_t end = lo + (hi - lo) / W * W;                                                         \
+    int bad;                                                                                      \
+    switch (it->gk) {                                                                             \
+    case K_BF16: bad = adam_moments_loop_##SUF(it, hp, lo, end, K_BF16); break;                  \
+    case K_F16: bad = adam_moments_loop_##SUF(it, hp, lo, end, K_F16); break;                    \
+    default: bad = adam_moments_loop_##SUF(it, hp, lo, end, K_F32); break;                       \
+    }                                                                                             \
+    return bad | adam_moments_scalar(it, hp, end, hi);                                            \
+}                                                                                                 \
+                                                                                                  \
+TARGET static inline __attribute__((always_inline)) void adam_master_loop_##SUF(                 \
+        const Item *it, const Hyper *hp, int64_t lo, int64_t end, const float *root, const int hk) { \
+    float *const pp = it->p;                                                                      \
+    const float *const aa = it->a;                                                                \
+    void *const hh = it->h;                                                                       \
+    const __m##VF eps = P##_set1_ps(hp->eps), bc2 = P##_set1_ps(it->bc2);                         \
+    const __m##VF nstep = P##_set1_ps(it->neg_step);                                              \
+    for (int64_t i = lo; i < end; i += W) {                                                       \
+        __m##VF den = P##_add_ps(P##_div_ps(P##_loadu_ps(root + (i - lo)), bc2), eps);            \
+        __m##VF q = P##_div_ps(P##_mul_ps(nstep, P##_loadu_ps(aa + i)), den);                     \
+        __m##VF p = P##_add_ps(P##_loadu_ps(pp + i), q);                                          \
+        P##_storeu_ps(pp + i, p);                                                                 \
+        PRE##store_h(hh, hk, i, p);                                                               \
+    }                                                                                             \
+}                                                                                                 \
+                                                                                                  \
+TARGET static void adam_master_##SUF(const Item *it, const Hyper *hp, int64_t lo, int64_t hi, const float *root) { \
+    int64_t end = lo + (hi - lo) / W * W;                                                         \
+    switch (it->hk) {                                                                             \
+    case K_BF16: adam_master_loop_##SUF(it, hp, lo, end, root, K_BF16); break;                    \
+    case K_F16: adam_master_loop_##SUF(it, hp, lo, end, root, K_F16); break;                      \
+    default: adam_master_loop_##SUF(it, hp, lo, end, root, it->hk); break;                        \
+    }                                                                                             \
+    adam_master_scalar(it, hp, end, hi, root + (end - lo));                                       \
+}                                                                                                 \
+                                                                                                  \
+TARGET static void sqrt_##SUF(const float *x, float *r, int64_t n) {                              \
+    int64_t end = n / W * W;                                                                      \
+    for (int64_t i = 0; i < end; i += W) P##_storeu_ps(r + i, P##_sqrt_ps(P##_loadu_ps(x + i)));  \
+    sqrt_scalar(x + end, r + end, n - end);                                                       \
+}                                                                                                 \
+                                                                                                  \
+TARGET static inline __attribute__((always_inline)) int check_loop_##SUF(                        \
+        const void *gg, int64_t lo, int64_t end, const int gk) {                                  \
+    __m##VF acc = P##_setzero_ps();                                                               \
+    for (int64_t i = lo; i < end; i += W) BAD(P, acc, PRE##load_g(gg, gk, i));                    \
+    return PRE##ANY_NAN(acc);                                                                     \
+}                                                                                                 \
+                                                                                                  \
+TARGET static int check_##SUF(const Item *it, int64_t lo, int64_t hi) {                           \
+    int64_t end = lo + (hi - lo) / W * W;                                                         \
+    int bad;                                                                                      \
+    switch (it->gk) {                                                                             \
+    case K_BF16: bad = check_loop_##SUF(it->g, lo, end, K_BF16); break;                           \
+    case K_F16: bad = check_loop_##SUF(it->g, lo, end, K_F16); break;                             \
+    default: bad = check_loop_##SUF(it->g, lo, end, K_F32); break;                                \
+    }                                                                                             \
+    return bad | check_scalar(it, end, hi);                                                       \
 }
 
-AVX2_TARGET static int adam_moments_avx2(const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {
-    const int64_t W = 8;
-    int64_t end = lo + (hi - lo) / W * W;
-    __m256 inv = _mm256_set1_ps(hp->inv), wd = _mm256_set1_ps(hp->wd), decay = _mm256_set1_ps(hp->decay);
-    __m256 w = _mm256_set1_ps(hp->small ? hp->w1 : hp->w1m1), b2 = _mm256_set1_ps(hp->beta2);
-    __m256 omb2 = _mm256_set1_ps(hp->omb2), acc = _mm256_setzero_ps();
-    __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
-    for (int64_t i = lo; i < end; i += W) {
-        __m256 p = _mm256_loadu_ps(it->p + i);
-        __m256 g = _mm256_mul_ps(y_load_g(it->g, it->gk, i), inv);
-        Y_BAD(acc, g);
-        if (hp->maximize) g = _mm256_xor_ps(g, sign);
-        if (hp->has_wd) {
-            if (hp->decoupled) _mm256_storeu_ps(it->p + i, _mm256_mul_ps(p, decay));
-            else g = _mm256_fmadd_ps(p, wd, g);
-        }
-        __m256 m = _mm256_loadu_ps(it->a + i);
-        m = _mm256_fmadd_ps(w, _mm256_sub_ps(g, m), hp->small ? m : g);
-        _mm256_storeu_ps(it->a + i, m);
-        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(it->b + i), b2);
-        v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, v);
-        _mm256_storeu_ps(it->b + i, v);
-        if (hp->amsgrad) _mm256_storeu_ps(it->c + i, y_max_nan(_mm256_loadu_ps(it->c + i), v));
-    }
-    return Y_ANY_NAN(acc) | adam_moments_scalar(it, hp, end, hi);
-}
+#define SGD_CALL_avx512(G, H) bad = sgd_loop_avx512(it, hp, lo, end, G, H)
+#define SGD_CALL_avx2(G, H) bad = sgd_loop_avx2(it, hp, lo, end, G, H)
 
-AVX2_TARGET static void adam_master_avx2(const Item *it, const Hyper *hp, int64_t lo, int64_t hi, const float *root) {
-    const int64_t W = 8;
-    int64_t end = lo + (hi - lo) / W * W;
-    __m256 eps = _mm256_set1_ps(hp->eps), bc2 = _mm256_set1_ps(it->bc2), nstep = _mm256_set1_ps(it->neg_step);
-    for (int64_t i = lo; i < end; i += W) {
-        __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(root + (i - lo)), bc2), eps);
-        __m256 q = _mm256_div_ps(_mm256_mul_ps(nstep, _mm256_loadu_ps(it->a + i)), den);
-        __m256 p = _mm256_add_ps(_mm256_loadu_ps(it->p + i), q);
-        _mm256_storeu_ps(it->p + i, p);
-        y_store_h(it->h, it->hk, i, p);
-    }
-    adam_master_scalar(it, hp, end, hi, root + (end - lo));
-}
-
-AVX2_TARGET static void sqrt_avx2(const float *x, float *r, int64_t n) {
-    int64_t end = n / 8 * 8;
-    for (int64_t i = 0; i < end; i += 8) _mm256_storeu_ps(r + i, _mm256_sqrt_ps(_mm256_loadu_ps(x + i)));
-    sqrt_scalar(x + end, r + end, n - end);
-}
-
-AVX2_TARGET static int check_avx2(const Item *it, int64_t lo, int64_t hi) {
-    const int64_t W = 8;
-    int64_t end = lo + (hi - lo) / W * W;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = lo; i < end; i += W) Y_BAD(acc, y_load_g(it->g, it->gk, i));
-    return Y_ANY_NAN(acc) | check_scalar(it, end, hi);
-}
+DEFINE_VECTOR_KERNELS(avx512, AVX512_TARGET, _mm512, 512, 16, z_)
+DEFINE_VECTOR_KERNELS(avx2, AVX2_TARGET, _mm256, 256, 8, y_)
 
 #endif /* FS_X86 */
 
