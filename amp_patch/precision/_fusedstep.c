@@ -230,16 +230,22 @@ AVX512_TARGET static inline __m512 z_load_g(const void *g, int gk, int64_t i) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-AVX512_TARGET static inline void z_store_h(void *h, int hk, int64_t i, __m512 x) {
+/* nt: a streaming store (h + i is 32-byte aligned): the half weight is only written */
+AVX512_TARGET static inline void z_put16(void *dst, __m256i v, int nt) {
+    if (nt) _mm256_stream_si256((__m256i *)dst, v);
+    else _mm256_storeu_si256((__m256i *)dst, v);
+}
+
+AVX512_TARGET static inline void z_store_h(void *h, int hk, int64_t i, __m512 x, int nt) {
     if (hk == K_F16) {
-        _mm256_storeu_si256((__m256i *)((uint16_t *)h + i), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        z_put16((uint16_t *)h + i, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), nt);
     } else if (hk == K_BF16) {
         __m512i u = _mm512_castps_si512(x);
         __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
         __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
         __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
         r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)h + i), _mm512_cvtepi32_epi16(r));
+        z_put16((uint16_t *)h + i, _mm512_cvtepi32_epi16(r), nt);
     } else if (hk == K_F32) {
         _mm512_storeu_ps((float *)h + i, x);
     }
@@ -261,9 +267,14 @@ AVX2_TARGET static inline __m256 y_load_g(const void *g, int gk, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-AVX2_TARGET static inline void y_store_h(void *h, int hk, int64_t i, __m256 x) {
+AVX2_TARGET static inline void y_put8(void *dst, __m128i v, int nt) {
+    if (nt) _mm_stream_si128((__m128i *)dst, v);
+    else _mm_storeu_si128((__m128i *)dst, v);
+}
+
+AVX2_TARGET static inline void y_store_h(void *h, int hk, int64_t i, __m256 x, int nt) {
     if (hk == K_F16) {
-        _mm_storeu_si128((__m128i *)((uint16_t *)h + i), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        y_put8((uint16_t *)h + i, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), nt);
     } else if (hk == K_BF16) {
         __m256i u = _mm256_castps_si256(x);
         __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -272,7 +283,7 @@ AVX2_TARGET static inline void y_store_h(void *h, int hk, int64_t i, __m256 x) {
         r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
         /* 8 x u32 (each < 2^16) -> 8 x u16: pack within lanes, then gather the two lanes' low halves */
         __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-        _mm_storeu_si128((__m128i *)((uint16_t *)h + i), _mm256_castsi256_si128(packed));
+        y_put8((uint16_t *)h + i, _mm256_castsi256_si128(packed), nt);
     } else if (hk == K_F32) {
         _mm256_storeu_ps((float *)h + i, x);
     }
@@ -285,6 +296,14 @@ AVX2_TARGET static inline __m256 y_max_nan(__m256 a, __m256 b) {
 }
 
 #define y_ANY_NAN(acc) (_mm256_movemask_ps(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q)) != 0)
+
+/* Half weights of at least this many elements are written with streaming stores: they
+   are far larger than the caches, and a plain store would read each line in first. */
+static int64_t g_stream_min = (int64_t)1 << 21;
+
+static inline int streams(const Item *it) {
+    return it->h != NULL && it->n >= g_stream_min && ((uintptr_t)it->h & 31) == 0;
+}
 
 /* The vector kernels, once for both instruction sets: SUF names them, P is the
    intrinsics' prefix (_mm512, _mm256), VF the vector type, W its lanes, PRE the
@@ -317,7 +336,7 @@ TARGET static inline __attribute__((always_inline)) int sgd_loop_##SUF(         
     const void *const gg = it->g;                                                                 \
     void *const hh = it->h;                                                                       \
     const int maximize = hp->maximize, has_wd = hp->has_wd, has_mom = hp->has_mom;                \
-    const int nesterov = hp->nesterov;                                                            \
+    const int nesterov = hp->nesterov, nt = streams(it);                                          \
     const __m##VF inv = P##_set1_ps(hp->inv), wd = P##_set1_ps(hp->wd), mom = P##_set1_ps(hp->mom); \
     const __m##VF omd = P##_set1_ps(hp->omd), nlr = P##_set1_ps(hp->neg_lr);                      \
     __m##VF acc = P##_setzero_ps();                                                               \
@@ -335,7 +354,7 @@ TARGET static inline __attribute__((always_inline)) int sgd_loop_##SUF(         
         }                                                                                         \
         p = P##_fmadd_ps(g, nlr, p);                                                              \
         P##_storeu_ps(pp + i, p);                                                                 \
-        PRE##store_h(hh, hk, i, p);                                                               \
+        PRE##store_h(hh, hk, i, p, nt);                                                           \
     }                                                                                             \
     return PRE##ANY_NAN(acc);                                                                     \
 }                                                                                                 \
@@ -395,12 +414,13 @@ TARGET static inline __attribute__((always_inline)) void adam_master_loop_##SUF(
     void *const hh = it->h;                                                                       \
     const __m##VF eps = P##_set1_ps(hp->eps), bc2 = P##_set1_ps(it->bc2);                         \
     const __m##VF nstep = P##_set1_ps(it->neg_step);                                              \
+    const int nt = streams(it);                                                                   \
     for (int64_t i = lo; i < end; i += W) {                                                       \
         __m##VF den = P##_add_ps(P##_div_ps(P##_loadu_ps(root + (i - lo)), bc2), eps);            \
         __m##VF q = P##_div_ps(P##_mul_ps(nstep, P##_loadu_ps(aa + i)), den);                     \
         __m##VF p = P##_add_ps(P##_loadu_ps(pp + i), q);                                          \
         P##_storeu_ps(pp + i, p);                                                                 \
-        PRE##store_h(hh, hk, i, p);                                                               \
+        PRE##store_h(hh, hk, i, p, nt);                                                           \
     }                                                                                             \
 }                                                                                                 \
                                                                                                   \
@@ -534,6 +554,9 @@ static void *worker(void *arg) {
         int64_t lo = w->starts[c], hi = lo + CHUNK < it->n ? lo + CHUNK : it->n;
         bad |= run_range(w->op, w->isa, it, w->hp, lo, hi);
     }
+#if FS_X86
+    _mm_sfence(); /* streaming stores are seen by the other threads before the step returns */
+#endif
     if (bad) __atomic_fetch_or(&w->bad, 1, __ATOMIC_RELAXED);
     return NULL;
 }
@@ -757,6 +780,17 @@ static PyObject *py_sqrt(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(stream_doc,
+"stream_min(n=None) -> int\n\n"
+"The size (elements) from which half weights are written with streaming stores; n sets it.");
+
+static PyObject *py_stream_min(PyObject *self, PyObject *args) {
+    long long n = -1;
+    if (!PyArg_ParseTuple(args, "|L", &n)) return NULL;
+    if (n >= 0) g_stream_min = n;
+    return PyLong_FromLongLong(g_stream_min);
+}
+
 static const char *ISA_NAMES[] = {"scalar", "avx2", "avx512"};
 
 PyDoc_STRVAR(isa_doc,
@@ -816,6 +850,7 @@ static PyMethodDef methods[] = {
     {"non_finite", py_check, METH_VARARGS, check_doc},
     {"isa", py_isa, METH_VARARGS, isa_doc},
     {"set_sqrt", py_set_sqrt, METH_VARARGS, set_sqrt_doc},
+    {"stream_min", py_stream_min, METH_VARARGS, stream_doc},
     {"sqrt", py_sqrt, METH_VARARGS, sqrt_doc},
     {"round_bits", py_round_bits, METH_VARARGS, bits_doc},
     {NULL, NULL, 0, NULL},
