@@ -490,7 +490,7 @@ enum { OP_SGD = 0, OP_ADAM = 1, OP_CHECK = 2 };
 typedef void (*sqrt_fn)(int n, const float *x, float *r);
 static sqrt_fn g_sqrt = NULL;
 
-#define BLOCK 1024 /* Adam's elements per half-pass pair: p, m, v and the roots stay in L1 */
+#define BLOCK 4096 /* Adam's elements per half-pass pair: p, m, v and the roots stay in L2; few calls of torch's sqrt */
 
 static int adam_range(int isa, const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {
     float root[BLOCK];
