@@ -26,6 +26,7 @@ from .diagnostics.stats import Ledger
 from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
 from .options import Options
+from .patching import costs
 from .patching.cast import cast
 from .patching.wrappers import make_planner, make_wrapper, pop_disabled, push_disabled, switch
 from .precision import model as model_side
@@ -139,7 +140,7 @@ def _maker(policy: str, qualname: str, method: bool, amp: Session, fix: str) -> 
     def make(original):
         return make_wrapper(
             policy, qualname, original, method=method, half=amp.props.half_dtype,
-            cache=amp.cache, ledger=amp.ledger, fix=fix, live=amp.live,
+            cache=amp.cache, ledger=amp.ledger, fix=fix, live=amp.live, min_flops=amp.min_flops,
         )
 
     return make
@@ -290,6 +291,8 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         amp = Session(props, table, device_type, options)
         if options.collect_stats:
             amp.ledger = Ledger()
+        if options.cast_policy == "auto" and props.patch_torch_functions:
+            amp.min_flops = costs.threshold(props.half_dtype, device_type, torch.get_num_threads())
 
     mark = amp.undo.mark()
     try:
