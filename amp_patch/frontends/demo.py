@@ -34,6 +34,7 @@ from .. import frontend
 from ..diagnostics import AmpWarning, setup_checks
 from ..errors import ConfigError
 from ..diagnostics.stats import dtype_name
+from ..scaling.checkpoint import counters
 
 MODES = ("FP32", "O1", "O2")
 NO_NATIVE_BF16 = (
@@ -73,6 +74,7 @@ class Result:
     peak_bytes: Optional[int] = None
     layers: str = ""
     unavailable: str = ""
+    step: str = ""  # O2: which optimizer step ran
 
 
 # ------------------------------------------------------------------ memory
@@ -266,10 +268,23 @@ def run(mode: str, data: Sequence[Tuple[torch.Tensor, torch.Tensor]], args: argp
         final_loss = float(loss.detach())
         layers = _layer_dtypes(model, *data[0], loss_fn)
         peak = _peak_memory(lambda: step(*data[0]), model, optimizer, data[0], device)
+        kind = _step_kind(mode)
     finally:
         if mode != "FP32":
             frontend.deinitialize()
-    return Result(mode, 1000.0 * elapsed / steps, first_loss, final_loss, peak, layers)
+    return Result(mode, 1000.0 * elapsed / steps, first_loss, final_loss, peak, layers, step=kind)
+
+
+def _step_kind(mode: str) -> str:
+    """Which optimizer step an O2/O5 run took: the default one-pass step, or the plain one."""
+    if mode not in ("O2", "O5"):
+        return ""
+    c = counters()
+    one, total = c["optimizers"][0]["one_pass"], c["steps"]
+    if one:
+        return (f"{mode}'s optimizer step (the default, no option): one pass in C per parameter for {one} of "
+                f"{total} steps (the first creates Adam's state)")
+    return f"{mode}'s optimizer step: the plain step (the one-pass C step is not built here)"
 
 
 def _sync(device: torch.device) -> None:
@@ -392,6 +407,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = [run(mode, data, args, device) for mode in modes]
     print()
     print(format_table(results))
+    for r in results:
+        if r.step:
+            print("\n" + r.step)
     if emulated:
         print(
             f"\n{NO_NATIVE_BF16} The speedup needs a CPU that has them (a Xeon with AMX: "
