@@ -175,7 +175,7 @@ class KernelStep:
         """
         mw = self.mw
         opt = mw.optimizer
-        if native is None or refused(opt, self.original) is not None:
+        if native is None or torch.compiler.is_compiling() or refused(opt, self.original) is not None:
             return None
         state = opt.state
         groups = []
