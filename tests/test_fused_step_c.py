@@ -79,7 +79,7 @@ def _items(params, grads, opt, halfs):
         else:
             a, b, c, st = s["exp_avg"], s["exp_avg_sq"], s.get("max_exp_avg_sq"), s["step"]
         out.append((p.data_ptr(), g.data_ptr(), kernel.KINDS[g.dtype], ptr(a), ptr(b), ptr(c), ptr(h),
-                    kernel.KINDS[h.dtype], p.numel(), ptr(st)))
+                    kernel.KINDS[h.dtype], p.numel(), ptr(st), 0))
     return out
 
 
@@ -195,7 +195,7 @@ def test_non_finite_check_finds_one_inf_or_nan_anywhere(gdt):
         for isa, at, bad in itertools.product(ISAS, (0, 17, n - 1), (float("inf"), float("-inf"), float("nan"))):
             C.isa(isa)
             g = torch.randn(n).to(gdt)
-            item = [(0, g.data_ptr(), kernel.KINDS[gdt], 0, 0, 0, 0, 0, n, 0)]
+            item = [(0, g.data_ptr(), kernel.KINDS[gdt], 0, 0, 0, 0, 0, n, 0, 0)]
             assert C.non_finite(item, 2) is False
             g[at] = bad
             assert C.non_finite(item, 2) is True, (isa, at, bad)
@@ -268,8 +268,8 @@ def test_default_o2_step_is_the_kernel_and_trains_bit_for_bit_as_the_plain_step(
     got = train(name, 6, CONFIGS[config], True, inf_at=inf_at)
     assert_same_training(plain, got)
     c = got[3]["optimizers"][0]
-    first_plain = 0 if name in ("sgd", "sgd_wd_maximize_no_momentum") else 1  # the first step creates the state
-    assert c["one_pass"] == 6 - first_plain - (inf_at is not None) and c["fused"] == 0
+    # every step, the first (which creates the optimizer state) included
+    assert c["one_pass"] == 6 - (inf_at is not None) and c["fused"] == 0
     assert plain[3]["optimizers"][0]["one_pass"] == 0
     if inf_at is not None:
         assert got[3]["skipped"] == 1
@@ -277,6 +277,17 @@ def test_default_o2_step_is_the_kernel_and_trains_bit_for_bit_as_the_plain_step(
     for m, h in zip(masters, halfs):
         assert torch.equal(h, m.to(h.dtype)), "a half weight is not its master rounded"
     assert {h.dtype for h in halfs} == {CONFIGS[config].get("half_dtype", bf16), f32}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["sgd_momentum_wd_dampening", "adamw_amsgrad"])
+def test_a_skipped_first_step_creates_no_state(name):
+    """The kernel makes the optimizer state of a first step only once that step is taken."""
+    cfg = CONFIGS["O2_fp16_dynamic"]
+    plain = train(name, 3, cfg, False, inf_at=0)
+    got = train(name, 3, cfg, True, inf_at=0)
+    assert_same_training(plain, got)
+    assert got[3]["skipped"] == 1 and got[3]["optimizers"][0]["one_pass"] == 2
 
 
 @needs_kernel
@@ -289,7 +300,7 @@ def test_gradients_already_in_the_masters_take_the_kernel_too(name, how):
     plain = train(name, 4, cfg, False, accumulate=how == "accumulate", clip=how == "clip")
     got = train(name, 4, cfg, True, accumulate=how == "accumulate", clip=how == "clip")
     assert_same_training(plain, got)
-    assert got[3]["optimizers"][0]["one_pass"] == 3
+    assert got[3]["optimizers"][0]["one_pass"] == 4
 
 
 def _one_pass(build, steps=3, **cfg):

@@ -282,8 +282,7 @@ def _step_kind(mode: str) -> str:
     c = counters()
     one, total = c["optimizers"][0]["one_pass"], c["steps"]
     if one:
-        return (f"{mode}'s optimizer step (the default, no option): one pass in C per parameter for {one} of "
-                f"{total} steps (the first creates Adam's state)")
+        return f"{mode}'s optimizer step (the default, no option): one pass in C per parameter for {one} of {total} steps"
     return f"{mode}'s optimizer step: the plain step (the one-pass C step is not built here)"
 
 

@@ -59,6 +59,7 @@ typedef struct {
     void *h;           /* half weight, kind hk (NULL: none) */
     int64_t n;
     int gk, hk;
+    int init;          /* SGD: the momentum buffer is new: it becomes the gradient (torch's first step) */
     float *step;       /* Adam: the parameter's step count (FP32, as torch keeps it) */
     float neg_step;    /* Adam: -lr / bias_correction1 at this step */
     float bc2;         /* Adam: sqrt(bias_correction2) at this step */
@@ -155,8 +156,8 @@ static int sgd_scalar(const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {
         if (hp->maximize) g = -g;
         if (hp->has_wd) g = fmaf(p, hp->wd, g);
         if (hp->has_mom) {
-            float b = it->a[i] * hp->mom;
-            b = fmaf(g, hp->omd, b);
+            float b = g;
+            if (!it->init) b = fmaf(g, hp->omd, it->a[i] * hp->mom);
             it->a[i] = b;
             g = hp->nesterov ? fmaf(b, hp->mom, g) : b;
         }
@@ -336,7 +337,7 @@ TARGET static inline __attribute__((always_inline)) int sgd_loop_##SUF(         
     const void *const gg = it->g;                                                                 \
     void *const hh = it->h;                                                                       \
     const int maximize = hp->maximize, has_wd = hp->has_wd, has_mom = hp->has_mom;                \
-    const int nesterov = hp->nesterov, nt = streams(it);                                          \
+    const int nesterov = hp->nesterov, nt = streams(it), init = it->init;                         \
     const __m##VF inv = P##_set1_ps(hp->inv), wd = P##_set1_ps(hp->wd), mom = P##_set1_ps(hp->mom); \
     const __m##VF omd = P##_set1_ps(hp->omd), nlr = P##_set1_ps(hp->neg_lr);                      \
     __m##VF acc = P##_setzero_ps();                                                               \
@@ -347,8 +348,8 @@ TARGET static inline __attribute__((always_inline)) int sgd_loop_##SUF(         
         if (maximize) g = NEG(P, VF, g);                                                          \
         if (has_wd) g = P##_fmadd_ps(p, wd, g);                                                   \
         if (has_mom) {                                                                            \
-            __m##VF b = P##_mul_ps(P##_loadu_ps(aa + i), mom);                                    \
-            b = P##_fmadd_ps(g, omd, b);                                                          \
+            __m##VF b = g;                                                                        \
+            if (!init) b = P##_fmadd_ps(g, omd, P##_mul_ps(P##_loadu_ps(aa + i), mom));           \
             P##_storeu_ps(aa + i, b);                                                             \
             g = nesterov ? P##_fmadd_ps(b, mom, g) : b;                                           \
         }                                                                                         \
@@ -609,7 +610,7 @@ static int as_ptr(PyObject *o, void **out) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* items: a sequence of tuples (p, g, gk, a, b, c, h, hk, n, step); pointers as ints (0/None: absent) */
+/* items: a sequence of tuples (p, g, gk, a, b, c, h, hk, n, step, init); pointers as ints (0/None: absent) */
 static Item *parse_items(PyObject *seq, Py_ssize_t *count) {
     PyObject *fast = PySequence_Fast(seq, "items must be a sequence of tuples");
     if (!fast) return NULL;
@@ -625,7 +626,7 @@ static Item *parse_items(PyObject *seq, Py_ssize_t *count) {
         PyObject *p, *g, *a, *b, *c, *h, *st;
         long long nel;
         Item *it = &items[k];
-        if (!PyArg_ParseTuple(t, "OOiOOOOiLO", &p, &g, &it->gk, &a, &b, &c, &h, &it->hk, &nel, &st) ||
+        if (!PyArg_ParseTuple(t, "OOiOOOOiLOi", &p, &g, &it->gk, &a, &b, &c, &h, &it->hk, &nel, &st, &it->init) ||
             as_ptr(p, (void **)&it->p) || as_ptr(g, (void **)&it->g) || as_ptr(a, (void **)&it->a) ||
             as_ptr(b, (void **)&it->b) || as_ptr(c, (void **)&it->c) || as_ptr(h, &it->h) || as_ptr(st, (void **)&it->step)) {
             PyMem_Free(items);
@@ -654,7 +655,7 @@ static PyObject *finish(Item *items, int bad) {
 
 PyDoc_STRVAR(sgd_doc,
 "sgd(items, threads, inv, maximize, weight_decay, momentum, dampening, nesterov, lr) -> found_inf\n\n"
-"torch.optim.SGD's update of each item (p, g, gk, momentum_buffer, _, _, h, hk, n, _), the gradient\n"
+"torch.optim.SGD's update of each item (p, g, gk, momentum_buffer, _, _, h, hk, n, _, init), the gradient\n"
 "multiplied by inv as it is read; returns True if a gradient element was inf or NaN.");
 
 static PyObject *py_sgd(PyObject *self, PyObject *args) {
@@ -687,7 +688,7 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
 PyDoc_STRVAR(adam_doc,
 "adam(items, threads, inv, maximize, weight_decay, decoupled, lr, beta1, beta2, eps, amsgrad) -> found_inf\n\n"
 "torch.optim.Adam's (AdamW's: decoupled) update of each item (p, g, gk, exp_avg, exp_avg_sq, max_exp_avg_sq,\n"
-"h, hk, n, step), its step count advanced by one.");
+"h, hk, n, step, _), its step count advanced by one.");
 
 static PyObject *py_adam(PyObject *self, PyObject *args) {
     PyObject *seq;

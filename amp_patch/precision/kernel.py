@@ -41,10 +41,10 @@ import ctypes
 import functools
 import logging
 import os
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.optim.optimizer import _get_scalar_dtype, _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
@@ -138,11 +138,20 @@ def sqrt_mode() -> str:
     return "ieee" if _gives_torch_sqrt() else "approximate"
 
 
-class Plan(NamedTuple):
-    """One step's work: per param group ``(items, halfs, grad_owners)``; ``device`` is the CPU."""
+class Entry(NamedTuple):
+    """One parameter's part of a step: its tensors and, where the optimizer state does
+    not exist yet (the first step), None for the state, which ``run`` creates."""
 
-    groups: List[Tuple[List[tuple], List[Tensor], List[Tensor]]]
-    keep: List[Tensor]  # every tensor whose pointer an item holds, alive until the call returns
+    p: Tensor
+    g: Tensor
+    h: Optional[Tensor]
+    state: Optional[Tuple[Optional[Tensor], ...]]  # (a, b, c, step): see _fusedstep.c's Item
+
+
+class Plan(NamedTuple):
+    """One step's work: per param group ``(entries, halfs, grad_owners)``; ``device`` is the CPU."""
+
+    groups: List[Tuple[List[Entry], List[Tensor], List[Tensor]]]
     from_half: bool
     device: torch.device = _CPU
 
@@ -166,9 +175,13 @@ class KernelStep:
         self.adam = type(masters.optimizer) is not SGD
         #: the optimizer's step as the plain step would call it (set when amp_patch patches the optimizer)
         self.original: Any = None
+        #: the parameters (masters, FP32 ones) whose gradients the last step read from the half
+        #: model and dropped: where the plain step would have left one, zero_grad(False) zeroes it
+        self.consumed: List[Tensor] = []
 
     def plan(self, from_half: bool = True) -> Optional[Plan]:
-        """The work of this step, or None when the plain step must run. Changes nothing.
+        """The work of this step, or None when the plain step must run. Changes nothing
+        (optimizer state the first step needs is made by ``run``, once the step is taken).
 
         ``from_half``: the gradients are the model's half ones (scaled) and the
         FP32 parameters' own; else the masters' FP32 gradients, unscaled.
@@ -177,69 +190,104 @@ class KernelStep:
         opt = mw.optimizer
         if native is None or torch.compiler.is_compiling() or refused(opt, self.original) is not None:
             return None
-        state = opt.state
         groups = []
-        keep: List[Tensor] = []
         for group in opt.param_groups:
-            items: List[tuple] = []
+            entries: List[Entry] = []
             halfs: List[Tensor] = []
             owners: List[Tensor] = []
-            momentum = not self.adam and group["momentum"] != 0
-            amsgrad = self.adam and group["amsgrad"]
             for p in group["params"]:
                 i = mw.index.get(id(p))
                 h = mw.halfs[i] if i is not None and mw.masters[i] is p else None
                 if h is not None and from_half:
                     g = h.grad
                     if g is None:
-                        if mw.zeroed and p.grad is not None:
-                            return None  # a master that steps on its kept zero gradient: the plain step's case
-                        continue
-                    owners.append(h)
+                        # after zero_grad(set_to_none=False) a master the backward did not reach
+                        # steps on its zero gradient, as in FP32 (momentum, weight decay, Adam)
+                        g = p.grad if mw.zeroed else None
+                        if g is None:
+                            continue
+                        h_owner = p
+                    else:
+                        h_owner = h
+                    owners.append(h_owner)
                 else:
                     g = p.grad
                     if g is None:
                         continue
                     owners.append(p)
                 n = p.numel()
-                if p.dtype != f32 or not _ok(p, n) or g.layout is not torch.strided or not _ok(g, n):
+                if (p.dtype != f32 or not _ok(p, n) or g.layout is not torch.strided or not _ok(g, n)
+                        or g.dtype not in KINDS):
                     return None
-                gk = KINDS.get(g.dtype)
-                if gk is None:
-                    return None
-                hk = 0
                 if h is not None:
-                    hk = KINDS.get(h.dtype, 0)
-                    if not hk or not _ok(h, n):
+                    if h.dtype not in KINDS or not _ok(h, n):
                         return None
                     halfs.append(h)
-                s = state.get(p)
-                a = b = c = step = None
-                if momentum:
-                    a = s.get("momentum_buffer") if s else None
-                    if a is None:
-                        return None  # the first step creates it
-                elif self.adam:
-                    if not s or "exp_avg" not in s or (amsgrad and "max_exp_avg_sq" not in s):
-                        return None
-                    a, b, step = s["exp_avg"], s["exp_avg_sq"], s["step"]
-                    c = s["max_exp_avg_sq"] if amsgrad else None
-                    if (not isinstance(step, Tensor) or step.dtype != f32 or not _ok(step, 1)
-                            or any(t.dtype != f32 or not _ok(t, n) for t in (a, b) + ((c,) if amsgrad else ()))):
-                        return None
-                if momentum and (a.dtype != f32 or not _ok(a, n)):
+                state = self._state(group, p, n)
+                if state is False:
                     return None
-                keep += [t for t in (p, g, a, b, c, step, h) if t is not None]
-                items.append((p.data_ptr(), g.data_ptr(), gk, _ptr(a), _ptr(b), _ptr(c), _ptr(h), hk, n, _ptr(step)))
-            groups.append((items, halfs, owners))
-        if not any(items for items, _, _ in groups):
+                entries.append(Entry(p, g, h, state))
+            groups.append((entries, halfs, owners))
+        if not any(entries for entries, _, _ in groups):
             return None  # no gradient at all: the plain step has nothing to do either
-        return Plan(groups, keep, from_half)
+        return Plan(groups, from_half)
+
+    def _state(self, group: Dict[str, Any], p: Tensor, n: int) -> Any:
+        """``(a, b, c, step)`` of ``p``'s optimizer state; None where the step creates it
+        (the first); False where the kernel cannot take it (the plain step raises or copes)."""
+        s = self.mw.optimizer.state.get(p)
+        if not self.adam:
+            if group["momentum"] == 0:
+                return (None, None, None, None)
+            a = s.get("momentum_buffer") if s else None
+            if a is None:
+                return None
+            return (a, None, None, None) if a.dtype == f32 and _ok(a, n) else False
+        if not s:
+            return None if _get_scalar_dtype() == f32 else False
+        amsgrad = group["amsgrad"]
+        if "exp_avg" not in s or "exp_avg_sq" not in s or "step" not in s or (amsgrad and "max_exp_avg_sq" not in s):
+            return False
+        a, b, step = s["exp_avg"], s["exp_avg_sq"], s["step"]
+        c = s["max_exp_avg_sq"] if amsgrad else None
+        if not isinstance(step, Tensor) or step.dtype != f32 or not _ok(step, 1):
+            return False
+        if any(t.dtype != f32 or not _ok(t, n) for t in (a, b) + ((c,) if amsgrad else ())):
+            return False
+        return (a, b, c, step)
+
+    def _items(self, group: Dict[str, Any], entries: List[Entry]) -> List[tuple]:
+        """The kernel's items for ``entries``, making the state a first step creates as
+        the optimizer's own first step makes it (same tensors, same keys, same order)."""
+        state = self.mw.optimizer.state
+        items = []
+        for e in entries:
+            p, g, h, st = e
+            init = 0
+            if st is None:
+                if self.adam:
+                    s = state[p]
+                    s["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                    s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group["amsgrad"]:
+                        s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st = (s["exp_avg"], s["exp_avg_sq"], s.get("max_exp_avg_sq"), s["step"])
+                else:  # SGD's first momentum buffer is the gradient itself: the kernel writes it
+                    buf = torch.empty_like(p, memory_format=torch.preserve_format)
+                    state[p]["momentum_buffer"] = buf
+                    st, init = (buf, None, None, None), 1
+            a, b, c, step = st
+            items.append((p.data_ptr(), g.data_ptr(), KINDS[g.dtype], _ptr(a), _ptr(b), _ptr(c), _ptr(h),
+                          KINDS[h.dtype] if h is not None else 0, p.numel(), _ptr(step), init))
+        return items
 
     def non_finite(self, plan: Plan) -> float:
         """1.0 if a gradient of ``plan`` holds inf or NaN, else 0.0 (one read of each)."""
         threads = torch.get_num_threads()
-        return float(any(native.non_finite(items, threads) for items, _, _ in plan.groups if items))
+        items = [(0, e.g.data_ptr(), KINDS[e.g.dtype], 0, 0, 0, 0, 0, e.g.numel(), 0, 0)
+                 for entries, _, _ in plan.groups for e in entries]
+        return float(native.non_finite(items, threads))
 
     @torch.no_grad()
     def run(self, plan: Plan, inv: Any = 1.0) -> bool:
@@ -252,9 +300,10 @@ class KernelStep:
         opt = self.mw.optimizer
         inv = float(inv)
         threads = torch.get_num_threads()
-        for group, (items, halfs, _) in zip(opt.param_groups, plan.groups):
-            if not items:
+        for group, (entries, halfs, _) in zip(opt.param_groups, plan.groups):
+            if not entries:
                 continue
+            items = self._items(group, entries)
             if self.adam:
                 b1, b2 = group["betas"]
                 decoupled = bool(group.get("decoupled_weight_decay", type(opt) is ADAMW))
@@ -270,7 +319,21 @@ class KernelStep:
         if plan.from_half:
             self.drop_grads(plan)
             self.mw.release_grad_buffers()
+            self.consumed = [e.p for entries, _, _ in plan.groups for e in entries]
         return True
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """After the optimizer's ``zero_grad``: with ``set_to_none=False`` each parameter
+        whose gradient the last step consumed gets a zero one, which is what the plain
+        step's kept FP32 gradient would be now (so a parameter a later backward does not
+        reach moves on zeros, as in FP32)."""
+        if not set_to_none:
+            mw = self.mw
+            for p in self.consumed:
+                if p.grad is None:
+                    i = mw.index.get(id(p))
+                    p.grad = mw._buffer(i).zero_() if i is not None and mw.masters[i] is p else torch.zeros_like(p)
+        self.consumed = []
 
     @staticmethod
     def drop_grads(plan: Plan) -> None:

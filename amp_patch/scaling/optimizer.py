@@ -144,6 +144,8 @@ def _zero_grad(self, set_to_none: Optional[bool] = None) -> None:
     h.originals["zero_grad"](*args)
     if h.masters is not None:
         h.masters.zero_model_grads(True if set_to_none is None else set_to_none)
+    if h.kernel is not None:
+        h.kernel.zero_grad(True if set_to_none is None else set_to_none)
     # the gradients are gone, and with them what was decided about them
     h.move(Stage.READY)
     h.parked = None
