@@ -31,11 +31,13 @@ def fixed_threshold(monkeypatch):
     return 1e6
 
 
-def test_small_matmuls_stay_fp32_and_large_ones_cast_as_by_default(fixed_threshold):
+def test_small_matmuls_stay_fp32_and_large_ones_cast_as_by_default(fixed_threshold, wrapper_path):
     g = torch.Generator().manual_seed(0)
     small_x, small_w = torch.randn(8, 16, generator=g), torch.randn(16, 16, generator=g)  # 4 kFLOP
     big_x, big_w = torch.randn(64, 128, generator=g), torch.randn(128, 128, generator=g)  # 2.1 MFLOP
     with amp(None, None, "O4", cast_policy="auto"):
+        # the C fast path decides the common call itself where it is built
+        assert (type(F.linear).__module__ == "amp_patch.patching._fastpath") is (wrapper_path == "c")
         small = F.linear(small_x, small_w)
         big = F.linear(big_x, big_w)
         small_mm = torch.mm(small_x, small_w)
@@ -46,11 +48,29 @@ def test_small_matmuls_stay_fp32_and_large_ones_cast_as_by_default(fixed_thresho
     assert big_mm.dtype == bf16 and torch.equal(big_mm, ORIGINAL_MM(big_x.to(bf16), big_w.to(bf16)))
 
 
-def test_a_small_matmul_on_a_half_input_runs_in_fp32(fixed_threshold):
+def test_a_small_matmul_on_a_half_input_runs_in_fp32(fixed_threshold, wrapper_path):
     x, w = torch.randn(4, 8).to(bf16), torch.randn(8, 8)
+    h = torch.randn(8, 8).to(torch.float16)
     with amp(None, None, "O4", cast_policy="auto"):
         out = F.linear(x, w)
+        both_half = torch.mm(x, x.t())  # nothing to cast: it runs as it is, in BF16
+        other_half = torch.mm(h, w)  # an FP16 input under BF16: FP32 too
     assert out.dtype == f32 and torch.equal(out, ORIGINAL_LINEAR(x.float(), w))
+    assert both_half.dtype == bf16 and torch.equal(both_half, ORIGINAL_MM(x, x.t()))
+    assert other_half.dtype == f32 and torch.equal(other_half, ORIGINAL_MM(h.float(), w))
+
+
+@pytest.mark.parametrize("op,args", [
+    ("conv2d", (torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3))),  # 2*25*54 = 2.7 kFLOP
+    ("addmm", (torch.randn(4), torch.randn(3, 5), torch.randn(5, 4))),
+    ("bmm", (torch.randn(2, 3, 5), torch.randn(2, 5, 4))),
+])
+def test_every_way_of_counting_keeps_a_small_call_fp32(op, args, fixed_threshold, wrapper_path):
+    fn = getattr(torch, op)
+    original = fn
+    with amp(None, None, "O4", cast_policy="auto"):
+        out = getattr(torch, op)(*args)
+    assert out.dtype == f32 and torch.equal(out, original(*args))
 
 
 def test_the_default_policy_casts_every_size():

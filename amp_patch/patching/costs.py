@@ -77,6 +77,10 @@ FLOPS: Dict[str, Callable[[tuple], Optional[float]]] = {
 }
 
 
+#: the C fast path's code for each way of counting (``_fastpath.c``, small_call)
+C_KINDS = {_linear: 1, _two: 2, _three: 3, _conv: 4}
+
+
 class Auto:
     """The planner of a half-list op under ``cast_policy="auto"``: the half
     planner's answer, except that a call under ``min_flops`` runs in FP32."""
@@ -95,10 +99,16 @@ class Auto:
 
     def __call__(self, args: tuple, kwargs: Optional[dict]) -> Optional[torch.dtype]:
         to = self.plan(args, kwargs)
-        if to is None or self.small(args, kwargs) is None:
+        if to is None or (kwargs and "out" in kwargs):
+            return to
+        n = self.flops(args)
+        if n is None or n >= self.min_flops:
             return to
         # FP32: a half input (another op's output) is cast up, FP32 ones stay as they are
-        return f32 if any(isinstance(a, Tensor) and a.dtype in LOW for a in args) else None
+        for a in args:
+            if isinstance(a, Tensor) and a.dtype in LOW:
+                return f32
+        return None
 
     def why(self, args: tuple, kwargs: Optional[dict]) -> str:
         """The ledger's reason for a call kept in FP32 ("" for one that was not)."""

@@ -359,7 +359,7 @@ def make_wrapper(
         fn = _inplace(policy, qualname, live, ledger)
     elif ledger is not None:
         fn = _instrumented(qualname, policy, plan, cache, ledger, live)
-    elif qualname in CONDITIONS or sized:
+    elif qualname in CONDITIONS:
         fn = _general(plan, cache, live)
     else:
         general = _general(plan, cache, live)
@@ -368,6 +368,8 @@ def make_wrapper(
         to = f32 if policy != "half" else half
         if native:
             fn = _call_through
+        elif sized:  # cast_policy="auto": the planner decides on every call the C path hands it
+            fn = general
         elif promote:
             fn = _promote(original, general, cache, live)
         else:
@@ -379,6 +381,9 @@ def make_wrapper(
             castable = tuple(CASTABLE if promote else CASTABLE - {to})
             weights = cache if cache is not None and to is not f32 else None  # the cache keeps half copies
             mode = 2 if native else 1 if promote else 0
+            if sized:  # the C path keeps a small call in FP32 itself (costs.Auto's decision)
+                return kind(original, fn, castable, to, CONVERT[to], weights, live, mode, min_flops,
+                            costs.C_KINDS[costs.FLOPS[qualname]])
             return kind(original, fn, castable, to, CONVERT[to], weights, live, mode)
     if policy == "half" and qualname in UNDER_CPU_AUTOCAST and half is torch.bfloat16:
         fn = _under_cpu_autocast(fn, half, live, ledger, qualname)
