@@ -174,8 +174,11 @@ def initialize(
             ``master_weights``, ``loss_scale``, ``cast_model_outputs``) and the
             options in ``EXTRA_OPTIONS`` (loss scaler settings, ``keep_fp32``,
             ``collect_stats``, ``find_overflow``, ``fused_update`` (O2/O5:
-            the optimizer step as one compiled pass per param group instead
-            of three; see ``amp_patch.scaling.fused``), ...).
+            the compiled one-pass step where the default one-pass C step,
+            ``amp_patch.precision.kernel``, cannot go), ``cast_policy``
+            (``"parity"``, autocast's casts, the default; ``"auto"``: matmuls
+            too small for the half dtype to win stay FP32, see
+            ``amp_patch.patching.costs``), ...).
 
     Returns:
         ``(models, optimizers)`` in the structure they were given, or just the
