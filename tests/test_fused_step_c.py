@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 import amp_patch
 from amp_patch.precision import kernel
 from helpers import HAS_C_COMPILER, amp, batch, mlp
@@ -336,6 +338,7 @@ FALLBACKS = {
     "a tensor lr": _with(lambda m: torch.optim.Adam(m.parameters(), lr=torch.tensor(1e-3))),
     "a step hook": _with(lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                          lambda m, o: o.register_step_post_hook(lambda *a: None)),
+    "a global step hook": _with(lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
     "a replaced step": _with(lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                              lambda m, o: setattr(o, "step", functools.partial(type(o).step, o))),
     "a non-contiguous weight": _with(lambda m: torch.optim.SGD(_transposed(m).parameters(), lr=0.1)),
@@ -353,11 +356,29 @@ def _transposed(model):
 @pytest.mark.parametrize("what", sorted(FALLBACKS))
 def test_what_the_kernel_does_not_cover_takes_the_plain_step(what, monkeypatch):
     build = FALLBACKS[what]
-    n, got = _one_pass(build)
-    assert n == 0, f"{what}: the kernel stepped"
-    monkeypatch.setattr(kernel, "native", None)
-    _, plain = _one_pass(build)
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda *a: seen.append(1)) \
+        if what == "a global step hook" else None
+    try:
+        n, got = _one_pass(build)
+        assert n == 0, f"{what}: the kernel stepped"
+        monkeypatch.setattr(kernel, "native", None)
+        _, plain = _one_pass(build)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert len(seen) == (6 if handle is not None else 0)  # the user's hook ran at every step
     assert all(torch.equal(a, b) for a, b in zip(got, plain))
+
+
+@pytest.mark.parametrize("flag", ["foreach", "fused", "capturable", "differentiable"])
+def test_optimizers_with_their_own_kernels_are_refused(flag):
+    p = [nn.Parameter(torch.randn(3))]
+    for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        opt = cls(p, lr=0.1)
+        assert kernel.refused(opt) is None
+        opt.param_groups[0][flag] = True
+        assert kernel.refused(opt) == f"{cls.__name__}({flag}=True)"
 
 
 @needs_kernel
