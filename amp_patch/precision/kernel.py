@@ -9,7 +9,8 @@ state, and writes the half weight. It starts at once (no compiler at run
 time), is vectorized for the CPU it finds, and uses torch's intra-op thread
 count. It computes what the plain step computes, bit for bit on the masters
 and the optimizer state: each update is written with the float operations of
-torch's own CPU implementation, in their order.
+torch's own CPU implementation, in their order, and Adam's square root is
+taken by the routine ``torch.sqrt`` runs (``sqrt_mode``).
 
 It serves two sources of gradients, whichever is present at the step:
 
@@ -18,7 +19,10 @@ It serves two sources of gradients, whichever is present at the step:
   first pass over them (2 bytes per parameter) checks for inf/NaN, so the
   step's skip decision comes before anything changes; the update unscales as
   it reads. The masters' FP32 gradient buffers are then never needed, and are
-  freed.
+  freed: after such a step the masters hold no gradient (read them through
+  ``amp_patch.master_params`` before the step, which moves them there), and
+  ``zero_grad(set_to_none=False)`` gives the parameters it read zero ones, as
+  the plain step's kept gradients would be.
 - the masters' own FP32 gradients, already unscaled (gradient accumulation,
   ``clip_grad_norm_`` or ``unscale_`` before the step): the kernel replaces the
   optimizer's update and the copy into the half model.
@@ -26,14 +30,15 @@ It serves two sources of gradients, whichever is present at the step:
 What it covers: ``torch.optim.SGD`` (momentum, dampening, nesterov,
 weight_decay, maximize) and ``Adam``/``AdamW`` (amsgrad, weight_decay,
 maximize), exactly those classes, with float hyperparameters, on dense,
-contiguous FP32 CPU tensors whose optimizer state exists. Everything else
-takes the plain step (or, under ``fused_update=True``, the compiled one where
-that applies): other optimizers and subclasses, ``foreach``/``fused``/
-``capturable``/``differentiable`` set, a tensor learning rate, sparse or
-complex gradients, CUDA or non-contiguous tensors, the first step (it creates
-the optimizer state), an optimizer whose ``step`` was replaced or that has
-step hooks. Without a C compiler at install the module is absent and every
-step is the plain one.
+contiguous FP32 CPU tensors; the first step makes the optimizer state as the
+optimizer's own would (once the step is taken: a skipped first step makes
+none). Everything else takes the plain step (or, under ``fused_update=True``,
+the compiled one where that applies): other optimizers and subclasses,
+``foreach``/``fused``/``capturable``/``differentiable`` set, a tensor
+learning rate, sparse or complex gradients, CUDA or non-contiguous tensors,
+an optimizer whose ``step`` was replaced or that has step hooks, a closure.
+Without a C compiler at install the module is absent and every step is the
+plain one.
 """
 from __future__ import annotations
 
