@@ -28,6 +28,7 @@ from .diagnostics.stats import Ledger
 from .errors import ConfigError, StateError
 from .oplists import NAMESPACES
 from .options import Options
+from .patching import costs
 from .patching.cast import cast
 from .patching.wrappers import make_planner, make_wrapper, pop_disabled, push_disabled, switch
 from .precision import model as model_side
@@ -142,7 +143,7 @@ def _maker(policy: str, qualname: str, method: bool, amp: Session, fix: str) -> 
     def make(original):
         return make_wrapper(
             policy, qualname, original, method=method, half=amp.props.half_dtype,
-            cache=amp.cache, ledger=amp.ledger, fix=fix, live=amp.live,
+            cache=amp.cache, ledger=amp.ledger, fix=fix, live=amp.live, min_flops=amp.min_flops,
         )
 
     return make
@@ -176,8 +177,11 @@ def initialize(
             ``master_weights``, ``loss_scale``, ``cast_model_outputs``) and the
             options in ``EXTRA_OPTIONS`` (loss scaler settings, ``keep_fp32``,
             ``collect_stats``, ``find_overflow``, ``fused_update`` (O2/O5:
-            the optimizer step as one compiled pass per param group instead
-            of three; see ``amp_patch.precision.fused``), ...).
+            the compiled one-pass step where the default one-pass C step,
+            ``amp_patch.precision.kernel``, cannot go), ``cast_policy``
+            (``"parity"``, autocast's casts, the default; ``"auto"``: matmuls
+            too small for the half dtype to win stay FP32, see
+            ``amp_patch.patching.costs``), ...).
 
     Returns:
         ``(models, optimizers)`` in the structure they were given, or just the
@@ -293,6 +297,8 @@ def _initialize(models, optimizers, opt_level, half_dtype, lists, verbosity, ove
         amp = Session(props, table, device_type, options)
         if options.collect_stats:
             amp.ledger = Ledger()
+        if options.cast_policy == "auto" and props.patch_torch_functions:
+            amp.min_flops = costs.threshold(props.half_dtype, device_type, torch.get_num_threads())
 
     mark = amp.undo.mark()
     try:

@@ -31,7 +31,11 @@ MAX_CONSECUTIVE_SKIPS = 20
 
 SCALER = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
           "min_loss_scale", "max_loss_scale")
-SESSION_WIDE = ("num_losses",) + SCALER + ("max_consecutive_skips", "collect_stats", "find_overflow", "verbosity")
+SESSION_WIDE = ("num_losses",) + SCALER + ("max_consecutive_skips", "collect_stats", "find_overflow", "verbosity",
+                                           "cast_policy")
+#: ``cast_policy``: "parity" casts as torch.autocast does; "auto" keeps half-list
+#: matmuls too small for the half kernel to win in FP32 (``patching.costs``)
+CAST_POLICIES = ("parity", "auto")
 PER_CALL = ("keep_fp32", "save_dtype", "fused_update", "enabled", "allow_half_params")
 
 KeepFP32 = Union[None, Tuple[str, ...], Callable[[torch.nn.Module, str], bool]]
@@ -61,6 +65,7 @@ class Options:
     #: O1/O4: accept FP16/BF16 parameters in the optimizer and step them as they
     #: are (Apex's ``_amp_state.allow_incoming_model_not_fp32``)
     allow_half_params: bool = False
+    cast_policy: str = "parity"
     #: the names the caller passed, so a later call compares only those
     given: FrozenSet[str] = dataclasses.field(default=frozenset(), compare=False, repr=False)
 
@@ -76,6 +81,11 @@ class Options:
             raise ConfigError(f"initialize: verbosity={v!r} must be an integer >= 0 (0 silences amp_patch's messages, 1 is the default)")
         object.__setattr__(self, "save_dtype", parse_dtype(self.save_dtype, "save_dtype", (torch.float16, torch.bfloat16, torch.float32)))
         object.__setattr__(self, "keep_fp32", _keep_fp32(self.keep_fp32))
+        if self.cast_policy not in CAST_POLICIES:
+            raise ConfigError(
+                f"initialize: cast_policy={self.cast_policy!r} must be 'parity' (cast as torch.autocast does, the "
+                f"default) or 'auto' (keep matmuls too small for the half dtype to win in float32)"
+            )
 
     @classmethod
     def build(cls, **kwargs: Any) -> "Options":

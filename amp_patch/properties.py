@@ -48,7 +48,7 @@ OVERRIDES = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", 
 EXTRA_OPTIONS = (
     "num_losses", "min_loss_scale", "max_loss_scale", "init_scale", "growth_factor", "backoff_factor",
     "growth_interval", "hysteresis", "max_consecutive_skips", "keep_fp32", "save_dtype",
-    "collect_stats", "find_overflow", "verbosity", "enabled", "fused_update", "allow_half_params",
+    "collect_stats", "find_overflow", "verbosity", "enabled", "fused_update", "allow_half_params", "cast_policy",
 )
 
 #: ``initialize``'s own parameters: a misspelling of one lands among the overrides

@@ -114,6 +114,8 @@ class Session:
         self.run: Any = None  # scaling.Run: the loss scalers and this step's flags
         self.scalers: List[Any] = []  # one LossScaler per loss id (the run's)
         self.ledger: Any = None  # stats.Ledger when collect_stats=True
+        #: cast_policy="auto": half-list matmuls under this many FLOPs stay FP32 (0: all cast)
+        self.min_flops: float = 0.0
         #: set by the launcher (or amp_patch.auto) on the session it started: a
         #: script's own initialize replaces it, keeping these settings
         self.provisional: Optional[Provisional] = None

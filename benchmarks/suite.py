@@ -42,6 +42,36 @@ from amp_patch.frontends.demo import cpu_name  # noqa: E402
 
 WORKLOADS = ("simplenet", "transformer", "convnet", "smallops")
 GPU_WORKLOADS = ("gpt", "resnet")  # sized so an FP32 step takes well over 20 ms on a current GPU
+#: issue 25's targets, checked at the end of a run (not with --quick or --no-assert):
+#: (workload, mode, reference mode) -> the most its step may take, as a ratio to the
+#: reference's (each a median of per-round ratios to autocast)
+TARGETS = {
+    ("simplenet", "O2", "autocast"): 0.85,
+    ("transformer", "O2", "autocast"): 0.97,
+    ("smallops", "O1-auto", "fp32"): 1.0,  # the tiny MLP: never slower than FP32
+    ("simplenet", "O1-auto", "O1"): 1.02,
+    ("transformer", "O1-auto", "O1"): 1.02,
+}
+
+
+def missed_targets(results: Dict) -> List[str]:
+    """The targets a run missed, in words: the ratios above, and O2's peak memory below autocast's."""
+    missed = []
+    for (wl, mode, ref), most in TARGETS.items():
+        m = results.get(wl, {}).get("modes", {})
+        if mode in m and ref in m and "autocast" in m:
+            ratio = m[mode]["ratio_autocast"] / m[ref]["ratio_autocast"]
+            if not ratio <= most:
+                missed.append(f"{wl} {mode}: {ratio:.2f}x {ref}, target <= {most}")
+    for wl, res in results.items():
+        m = res["modes"]
+        # the memory target is about models whose tensors outweigh the process's own growth
+        # (smallops' 50 k parameters are 0.2 MB; its peak growth is the allocator's noise)
+        if wl not in ("simplenet", "transformer"):
+            continue
+        if "O2" in m and "autocast" in m and not m["O2"]["mem_mb"] < m["autocast"]["mem_mb"]:
+            missed.append(f"{wl} O2 peak memory {m['O2']['mem_mb']:.1f} MB, not below autocast's {m['autocast']['mem_mb']:.1f}")
+    return missed
 
 
 def _sync(device):
@@ -241,6 +271,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1 on CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (smoke test)")
     ap.add_argument("--no-write", action="store_true", help="print only; do not touch RESULTS.md")
+    ap.add_argument("--no-assert", action="store_true", help="do not check the targets (TARGETS) at the end")
     ap.add_argument("--output", default=str(HERE / "RESULTS.md"))
     args = ap.parse_args(argv)
     if args.threads is None:
@@ -279,6 +310,9 @@ def main(argv=None):
     print(text)
     if not args.no_write:
         write_results(args.output, f"suite-{args.device}", header + "\n\n" + text + f"\n\nCommand: `{command}`")
+    if not (args.quick or args.no_assert):
+        missed = missed_targets(results)
+        assert not missed, "targets missed: " + "; ".join(missed)
     return results
 
 

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
+from amp_patch.precision import kernel
 
 
 @dataclasses.dataclass
@@ -220,11 +221,15 @@ def build(name: str, gpu: bool = False, scale: float = 1.0, nbatches: int = 4) -
     raise ValueError(f"unknown workload {name!r}; use simplenet, transformer, convnet, smallops, gpt or resnet")
 
 
-MODES = ("fp32", "autocast", "O1", "O2", "O2-fused", "O3")
+MODES = ("fp32", "autocast", "O1", "O1-auto", "O2", "O2-plain", "O2-fused", "O3")
+#: the amp_patch modes: opt level and extra ``initialize`` options. O2 is the default
+#: (the one-pass C step where it is built); O2-plain leaves that kernel out, as where
+#: no compiler was at install (the O2 of before issue 25); O2-fused is fused_update=True;
+#: O1-auto is O1 with cast_policy="auto" (small matmuls stay FP32).
 #: NVIDIA Apex's own apex.amp, where an Apex checkout is importable (``PYTHONPATH``)
 APEX_MODES = ("apex-O1", "apex-O2")
-#: the amp_patch modes: opt level and extra ``initialize`` options
-AMP_MODES = {"O1": ("O1", {}), "O2": ("O2", {}), "O2-fused": ("O2", {"fused_update": True}), "O3": ("O3", {})}
+AMP_MODES = {"O1": ("O1", {}), "O1-auto": ("O1", {"cast_policy": "auto"}), "O2": ("O2", {}), "O2-plain": ("O2", {}), "O2-fused": ("O2", {"fused_update": True}),
+             "O3": ("O3", {})}
 
 
 class Runner:
@@ -252,6 +257,8 @@ class Runner:
         if mode in AMP_MODES:
             # amp_patch's state is per process: the suite runs each mode in its own.
             level, extra = AMP_MODES[mode]
+            if mode in ("O2-plain", "O2-fused"):
+                kernel.native = None  # this worker process only ever runs this mode
             self.model, self.opt = amp_patch.initialize(self.model, self.opt, level, half_dtype=half, verbosity=0, **extra)
 
     def step(self) -> torch.Tensor:

@@ -107,7 +107,8 @@ def _ddp_case(rank, level, half):
             ddp(x)
         masters = [p.detach().clone() for p in amp_patch.master_params(opt)]
         return dict(state=_snapshot(model), raw=_raw(model), masters=masters, losses=losses,
-                    start=start, linear_dtype=str(seen[-1]), counters=amp_patch.counters())
+                    start=start, linear_dtype=str(seen[-1]), counters=amp_patch.counters(),
+                    one_pass_built=amp_patch.precision.kernel.native is not None)
     finally:
         amp_patch.deinitialize()
 
@@ -148,7 +149,8 @@ def _inf_case(rank, name):
             c = amp_patch.counters()
             scales.append(c["loss_scale"][0])
             skipped.append(c["skipped"])
-        return dict(states=states, scales=scales, skipped=skipped, fused=c["optimizers"][0]["fused"])
+        return dict(states=states, scales=scales, skipped=skipped, fused=c["optimizers"][0]["fused"],
+                    one_pass=c["optimizers"][0]["one_pass"], one_pass_built=amp_patch.precision.kernel.native is not None)
     finally:
         amp_patch.deinitialize()
 
@@ -305,8 +307,13 @@ def test_ddp_ranks_stay_bitwise_identical(ranks, level, half):
     assert r0["raw"][0].dtype == (torch.float32 if level in ("O1", "O4") else getattr(torch, half))
     assert all(m.dtype == torch.float32 for m in r0["masters"]) == (level != "O3")
     assert r0["counters"]["skipped"] == r1["counters"]["skipped"]
-    # the fused update ran every step after the first (which creates AdamW's state)
-    assert r0["counters"]["optimizers"][0]["fused"] == (STEPS - 1 if "fused_update" in level else 0)
+    # O2/O5: the one-pass C step, where it is built, takes every step (fused_update or not);
+    # without it the compiled update takes every step after the first (which creates AdamW's state)
+    c = r0["counters"]["optimizers"][0]
+    if r0["one_pass_built"]:
+        assert (c["one_pass"], c["fused"]) == ((STEPS, 0) if level.startswith(("O2", "O5")) else (0, 0))
+    else:
+        assert c["fused"] == (STEPS - 1 if "fused_update" in level else 0)
 
 
 @pytest.mark.parametrize("name", INF_CASES)
@@ -323,8 +330,12 @@ def test_inf_on_one_rank_skips_the_same_step_everywhere(ranks, name):
             assert not torch.equal(states[s]["0.weight"], states[s - 1]["0.weight"]), s
         assert scales[BAD_STEP + 1] == scales[BAD_STEP] / 2
         assert all(torch.isfinite(v).all() for v in states[-1].values())
-        # fused: every step but the first (SGD's momentum state) and the skipped one
-        assert r["fused"] == (STEPS - 2 if name.endswith("-fused") else 0)
+        # O2: the one-pass C step, where it is built, takes every step but the skipped one;
+        # without it the compiled update (-fused) every step but the first and the skipped one
+        if r["one_pass_built"]:
+            assert (r["one_pass"], r["fused"]) == ((STEPS - 1, 0) if "O2" in name else (0, 0))
+        else:
+            assert r["fused"] == (STEPS - 2 if name.endswith("-fused") else 0)
     _assert_identical(r0["scales"], r1["scales"], "loss scale")
     if name.startswith("separate"):
         assert not torch.equal(r0["states"][0]["0.weight"], r1["states"][0]["0.weight"])

@@ -79,7 +79,9 @@ class Report:
     Attributes:
         opt_level, half_dtype, device: the run's settings.
         ops: ``{qualname: {policy, calls, dtypes, casts, bytes_cast,
-            first_call_site}}``, empty unless ``collect_stats=True``.
+            first_call_site, kept_fp32, kept_why}}``, empty unless
+            ``collect_stats=True``; ``kept_fp32`` counts the calls
+            ``cast_policy="auto"`` ran in FP32, ``kept_why`` says why.
         unlisted: ``{qualname: {calls, first_call_site}}``: ops no list covers
             that ran in FP32 on inputs that could have been half.
         loss_scale: one summary per loss scaler, with its history.
@@ -142,6 +144,11 @@ class Report:
                     _bytes_text(o["bytes_cast"]), _site_text(o["first_call_site"]),
                 ))
         lines += ["  " + r for r in _table(head, body, right=(1, 3, 4))]
+        kept = sorted((q, o) for q, o in self.ops.items() if o.get("kept_fp32"))
+        if kept:
+            lines.append("kept in float32 by cast_policy='auto' (too small for the half dtype to win):")
+            body = [(q, f"{o['kept_fp32']} of {o['calls']}", f"e.g. {o['kept_why']}") for q, o in kept]
+            lines += ["  " + r for r in _table(("op", "calls", "why"), body, right=(1,))]
         if self.unlisted:
             lines.append(
                 f"unlisted ops seen (ran in float32 on inputs that could be {self.half_dtype}; "

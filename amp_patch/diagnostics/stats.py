@@ -62,7 +62,7 @@ def _dtype_of(out: Any) -> Optional[torch.dtype]:
 class OpStats:
     """What one patched op did."""
 
-    __slots__ = ("policy", "calls", "dtypes", "casts", "bytes_cast", "site")
+    __slots__ = ("policy", "calls", "dtypes", "casts", "bytes_cast", "site", "kept", "why")
 
     def __init__(self, policy: str, site: str):
         self.policy = policy
@@ -71,6 +71,8 @@ class OpStats:
         self.casts = 0
         self.bytes_cast = 0
         self.site = site
+        self.kept = 0  # calls cast_policy="auto" kept in FP32
+        self.why = ""  # the first such call's reason
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -80,6 +82,8 @@ class OpStats:
             "casts": self.casts,
             "bytes_cast": self.bytes_cast,
             "first_call_site": self.site,
+            "kept_fp32": self.kept,
+            "kept_why": self.why,
         }
 
 
@@ -98,8 +102,9 @@ class Ledger:
         self._names: Optional[modes.OpNames] = None
 
     # -- called by the wrappers
-    def record(self, qualname: str, policy: str, out: Any, ncasts: int, nbytes: int) -> None:
-        """Count one call of a patched op (called by the casting wrapper)."""
+    def record(self, qualname: str, policy: str, out: Any, ncasts: int, nbytes: int, kept: str = "") -> None:
+        """Count one call of a patched op (called by the casting wrapper); ``kept``:
+        why ``cast_policy="auto"`` ran this call of a half-list op in FP32."""
         if not getattr(self._here, "watching", False):
             self._watch_here()
         frame = modes.caller()
@@ -114,6 +119,9 @@ class Ledger:
             s.casts += ncasts
             s.bytes_cast += nbytes
             s.dtypes[dtype] = s.dtypes.get(dtype, 0) + 1
+            if kept:
+                s.kept += 1
+                s.why = s.why or kept
 
     def start(self, amp: Any) -> None:
         """Start watching for unlisted ops on this thread (idempotent).

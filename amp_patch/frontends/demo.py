@@ -107,6 +107,7 @@ class Result:
     peak_bytes: Optional[int] = None
     layers: str = ""
     unavailable: str = ""
+    step: str = ""  # O2: which optimizer step ran
 
 
 # ------------------------------------------------------------------ statistics

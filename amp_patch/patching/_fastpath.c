@@ -44,6 +44,9 @@ typedef struct {
     PyObject *live;            /* the session's Live flag object (.on) */
     int promote;               /* 0: cast to `to`; 1: a mix of castable dtypes goes to
                                   the Python wrapper; 2: never cast (native promotion) */
+    double min_flops;          /* cast_policy="auto": a call under this many FLOPs is not cast
+                                  to half (0: every call is); see patching/costs.py */
+    int flops_kind;            /* how its FLOPs follow from the shapes: costs.C_KINDS */
 } Fast;
 
 static Py_ssize_t fast_offset;      /* where Fast starts inside the object */
@@ -57,6 +60,8 @@ static PyObject *python_only;       /* wrappers.python_only: non-empty = Python 
 static PyObject *grad_enabled;      /* torch._C.is_grad_enabled */
 static PyObject *one;               /* the int 1 */
 static PyObject *str_dtype, *str_on, *str_requires_grad, *str_is_leaf, *str_staticmethod, *str_version, *str_data_ptr;
+static PyObject *str_shape;
+static PyObject *float32;           /* torch.float32 */
 
 /* a vectorcall type must not let Python code reassign its __call__ */
 #ifdef Py_TPFLAGS_IMMUTABLETYPE
@@ -284,6 +289,91 @@ general(PyObject *self, PyObject *const *args, Py_ssize_t n, PyObject *kwnames)
     return result;
 }
 
+/* A tensor's shape into dims (at most 8); its number of dimensions, -1 on error,
+   -2 when it is no tensor or has more dimensions */
+static int
+shape_of(PyObject *t, long long *dims, double *numel)
+{
+    PyObject *shape;
+    Py_ssize_t i, nd;
+    if (!PyObject_TypeCheck(t, tensor_type))
+        return -2;
+    shape = PyObject_GetAttr(t, str_shape);
+    if (shape == NULL)
+        return -1;
+    nd = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : 9;
+    if (nd > 8) {
+        Py_DECREF(shape);
+        return -2;
+    }
+    *numel = 1.0;
+    for (i = 0; i < nd; i++) {
+        dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        if (dims[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(shape);
+            return -1;
+        }
+        *numel *= (double)dims[i];
+    }
+    Py_DECREF(shape);
+    return (int)nd;
+}
+
+/* cast_policy="auto", on a call that would be cast: 0 when it is not small (cast it),
+   1 when it is and every argument is FP32 already (call the original), 2 when it is
+   and an argument is half (the Python wrapper casts it up), -1 on error. The same
+   FLOPs as costs.FLOPS, in the same double arithmetic. */
+static int
+small_call(Fast *f, PyObject *const *args, Py_ssize_t n)
+{
+    long long d0[8], d1[8];
+    double n0, n1, flops;
+    int first = f->flops_kind == 3 ? 1 : 0, nd0, nd1;
+    Py_ssize_t i;
+    if (n < first + 2)
+        return 0;
+    nd0 = shape_of(args[first], d0, &n0);
+    if (nd0 == -1)
+        return -1;
+    nd1 = shape_of(args[first + 1], d1, &n1);
+    if (nd1 == -1)
+        return -1;
+    if (nd0 < 0 || nd1 < 0)
+        return 0;
+    switch (f->flops_kind) {
+    case 1: /* linear(x, w): 2 * x.numel() * out_features */
+        if (nd1 < 1)
+            return 0;
+        flops = 2.0 * n0 * (double)(nd1 > 1 ? d1[0] : 1);
+        break;
+    case 2: /* mm(a, b) and the like: 2 * a.numel() * b.shape[-1] */
+    case 3: /* addmm(c, a, b) */
+        if (nd0 < 1 || nd1 < 1)
+            return 0;
+        flops = 2.0 * n0 * (double)(nd1 > 1 ? d1[nd1 - 1] : 1);
+        break;
+    case 4: /* conv(x, w): 2 * x.numel() / in_channels * w.numel() */
+        if (nd0 < 2 || nd1 < 2 || d0[1] == 0)
+            return 0;
+        flops = 2.0 * n0 / (double)d0[1] * n1;
+        break;
+    default:
+        return 0;
+    }
+    if (!(flops < f->min_flops))
+        return 0;
+    for (i = 0; i < n; i++) {
+        if (PyObject_TypeCheck(args[i], tensor_type)) {
+            PyObject *dt = dtype_of(args[i]);
+            if (dt == NULL)
+                return -1;
+            if (dt == f->to || (dt != float32 && in_tuple(f->castable, dt))) /* a half dtype */
+                return 2;
+        }
+    }
+    return 1;
+}
+
 static PyObject *
 fast_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -303,14 +393,24 @@ fast_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwname
     r = plan(f, args, n);
     if (r == 0)
         return PyObject_Vectorcall(f->original, args, nargsf, NULL);
-    if (r == 1)
+    if (r == 1) {
+        if (f->min_flops > 0) {
+            int small = small_call(f, args, n);
+            if (small < 0)
+                return NULL;
+            if (small == 1)
+                return PyObject_Vectorcall(f->original, args, nargsf, NULL);
+            if (small == 2)
+                return general(self, args, n, kwnames);
+        }
         return cast_and_call(f, args, n);
+    }
     if (r < 0)
         return NULL;
     return general(self, args, n, kwnames);
 }
 
-/* (wrapped, wrapper, castable, to, convert, cache, live, promote 0/1/2): the wrapt
+/* (wrapped, wrapper, castable, to, convert, cache, live, promote 0/1/2[, min_flops, flops_kind]): the wrapt
    wrapper is set up as wrappers.OpWrapper sets it up, with the "staticmethod"
    binding; cache is a _cast.CastCache, or None for no cache. */
 static int
@@ -318,15 +418,16 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     PyObject *wrapped, *wrapper, *castable, *to, *convert, *cache, *live, *base_args;
     PyObject *cache_cast = Py_None, *cache_maps = Py_None, *cache_counts = Py_None;
-    int promote, result = -1;
+    int promote, flops_kind = 0, result = -1;
+    double min_flops = 0.0;
     Fast *f = FAST(self);
 
     if (kwargs && PyDict_GET_SIZE(kwargs)) {
         PyErr_SetString(PyExc_TypeError, "takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OOO!OOOOi", &wrapped, &wrapper, &PyTuple_Type, &castable, &to,
-                          &convert, &cache, &live, &promote))
+    if (!PyArg_ParseTuple(args, "OOO!OOOOi|di", &wrapped, &wrapper, &PyTuple_Type, &castable, &to,
+                          &convert, &cache, &live, &promote, &min_flops, &flops_kind))
         return -1;
     if (cache != Py_None) {
         cache_cast = PyObject_GetAttrString(cache, "cast");
@@ -359,6 +460,8 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
     SET(live, live);
 #undef SET
     f->promote = promote;
+    f->min_flops = min_flops;
+    f->flops_kind = flops_kind;
     f->vectorcall = fast_call;
 finally:
     /* what getattr returned; the fields hold their own references */
@@ -508,18 +611,21 @@ PyInit__fastpath(void)
     str_staticmethod = PyUnicode_InternFromString("staticmethod");
     str_version = PyUnicode_InternFromString("_version");
     str_data_ptr = PyUnicode_InternFromString("data_ptr");
+    str_shape = PyUnicode_InternFromString("shape");
     one = PyLong_FromLong(1);
     if (!str_dtype || !str_on || !str_requires_grad || !str_is_leaf || !str_staticmethod || !str_version || !str_data_ptr ||
+        !str_shape ||
         !one)
         return NULL;
     grad_enabled = import_attr("torch._C", "is_grad_enabled");
     if (grad_enabled == NULL)
         return NULL;
     tensor_type = (PyTypeObject *)import_attr("torch", "Tensor");
+    float32 = import_attr("torch", "float32");
     disabled = import_attr("amp_patch.patching.wrappers", "disabled");
     python_only = import_attr("amp_patch.patching.wrappers", "python_only");
     function_wrapper = import_attr("wrapt", "FunctionWrapper");
-    if (!tensor_type || !disabled || !python_only || !function_wrapper)
+    if (!tensor_type || !float32 || !disabled || !python_only || !function_wrapper)
         goto fail;
     if (!PyType_Check(tensor_type) || !PyDict_CheckExact(disabled) || !PyDict_CheckExact(python_only) || !PyType_Check(function_wrapper)) {
         PyErr_SetString(PyExc_ImportError, "unexpected torch.Tensor, wrapt or amp_patch.patching.wrappers");

@@ -50,6 +50,7 @@ import wrapt
 
 from .. import frames
 from ..oplists.schema import is_inplace
+from . import costs
 from .cast import CASTABLE, CONVERT, LOW, CastCache, cast, cast_args, needs_cast
 from ..errors import BannedOpError, CastError
 
@@ -326,6 +327,7 @@ def make_wrapper(
     ledger: Any = None,
     fix: str = "",
     live: Live = ALWAYS,
+    min_flops: float = 0.0,
 ) -> wrapt.FunctionWrapper:
     """Build the wrapt wrapper that applies ``policy`` to ``original``.
 
@@ -341,6 +343,8 @@ def make_wrapper(
         fix: for ``banned``, what to use instead.
         live: the session's ``Live`` flag; the wrapper calls straight
             through once it is off.
+        min_flops: ``cast_policy="auto"``: a ``half`` op of ``costs.FLOPS``
+            runs in FP32 on a call under this many FLOPs (0: never).
     """
     kind = MethodWrapper if method else OpWrapper
     if policy == "banned":
@@ -348,6 +352,9 @@ def make_wrapper(
     name = qualname.rpartition(".")[2]
     plan = make_planner(policy, half, qualname)
     inplace_at = None if is_inplace(name) else _inplace_parameter(original)
+    sized = bool(min_flops) and policy == "half" and qualname in costs.FLOPS
+    if sized:
+        plan = costs.Auto(plan, qualname, min_flops)
     if is_inplace(name):
         # ``x.exp_()`` and ``torch.exp_(x)`` alike: the receiver is args[0]
         fn = _inplace(policy, qualname, live, ledger)
@@ -366,6 +373,8 @@ def make_wrapper(
         to = f32 if policy != "half" else half
         if native:
             fn = _call_through
+        elif sized:  # cast_policy="auto": the planner decides on every call the C path hands it
+            fn = general
         elif promote:
             fn = _promote(original, general, cache, live)
         else:
@@ -377,6 +386,9 @@ def make_wrapper(
             castable = tuple(CASTABLE if promote else CASTABLE - {to})
             weights = cache if cache is not None and to is not f32 else None  # the cache keeps half copies
             mode = 2 if native else 1 if promote else 0
+            if sized:  # the C path keeps a small call in FP32 itself (costs.Auto's decision)
+                return kind(original, fn, castable, to, CONVERT[to], weights, live, mode, min_flops,
+                            costs.C_KINDS[costs.FLOPS[qualname]])
             return kind(original, fn, castable, to, CONVERT[to], weights, live, mode)
     if policy == "half" and qualname in UNDER_CPU_AUTOCAST and half is torch.bfloat16:
         fn = _under_cpu_autocast(fn, half, live, ledger, qualname)
@@ -585,18 +597,20 @@ class _Counter:
 def _instrumented(qualname, policy, plan, cache, ledger, live):
     """The same call path with the op ledger recording it (``collect_stats``)."""
     record = ledger.record
+    why = getattr(plan, "why", None)  # costs.Auto: why a call stayed FP32
 
     def wrapper(wrapped, instance, args, kwargs):
         if (disabled and get_ident() in disabled) or not live.on:
             return wrapped(*args, **kwargs)
         to = plan(args, kwargs)
+        kept = why(args, kwargs) if why is not None else ""
         if to is None:
             out = wrapped(*args, **kwargs)
-            record(qualname, policy, out, 0, 0)
+            record(qualname, policy, out, 0, 0, kept)
             return out
         n = _Counter()
         out = wrapped(*cast(args, to, cache, n), **cast(kwargs, to, cache, n))
-        record(qualname, policy, out, n.casts, n.nbytes)
+        record(qualname, policy, out, n.casts, n.nbytes, kept)
         return out
 
     return wrapper

@@ -11,6 +11,11 @@ leaves there (unscaled and checked as it ends), so the skip decision and
 everything user code did to them before the step (clipping, ``unscale_``)
 are the plain step's.
 
+Where the one-pass C step (``kernel.py``, the O2/O5 default where it is
+built) can take a step it does, under ``fused_update=True`` too: it starts at
+once and is faster. This compiled update is for the rest of what it covers
+(CUDA or non-contiguous tensors, or no C compiler at install).
+
 What it covers, and why the rest falls back to the plain step:
 
 - ``torch.optim.SGD``, ``Adam`` and ``AdamW`` with their standard options

@@ -12,7 +12,7 @@ from .. import session
 from ..errors import ConfigError, StateError
 from ..options import Options
 from ..patching.cast import LOW
-from . import fused, master
+from . import fused, kernel, master
 
 
 def inner_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
@@ -98,6 +98,8 @@ class _StrayStepGuard:
     when called as the undo callback; an attached optimizer returns at once.
     """
 
+    amp_patch_internal = True  # not a user's hook: the one-pass step may run past it (kernel.refused)
+
     def __init__(self, amp: Any):
         self.amp = amp
         self.seen: Tuple[int, frozenset] = (-1, frozenset())
@@ -138,8 +140,9 @@ class _Release:
         self.masters.restore()
 
 
-#: what ``attach`` built for one optimizer: its masters and their fused update, if any
-Built = Tuple[master.MasterWeights, Optional[fused.FusedUpdate]]
+#: what ``attach`` built for one optimizer: its masters, their compiled fused update
+#: (``fused_update=True``) and their one-pass step (where the C kernel is built), if any
+Built = Tuple[master.MasterWeights, Optional[fused.FusedUpdate], Optional[kernel.KernelStep]]
 
 
 def attach(amp: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
@@ -161,5 +164,6 @@ def attach(amp: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[tor
         amp.undo.push(_Release(mw))
         for group in opt.param_groups:
             mw.adopt(group, originals)
-        built[id(opt)] = (mw, fused.FusedUpdate(mw) if options.fused_update else None)
+        built[id(opt)] = (mw, fused.FusedUpdate(mw) if options.fused_update else None,
+                          kernel.KernelStep(mw) if kernel.native is not None else None)
     return built

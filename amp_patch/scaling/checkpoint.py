@@ -121,10 +121,11 @@ def counters() -> Dict[str, Any]:
     Returns:
         ``{"steps": int, "skipped": int, "loss_scale": [float per loss],
         "losses": [{"loss_scale", "dynamic", "steps", "skipped", "growth_tracker"}],
-        "optimizers": [{"steps", "skipped", "fused"}]}``; ``steps`` and
+        "optimizers": [{"steps", "skipped", "fused", "one_pass"}]}``; ``steps`` and
         ``skipped`` sum the optimizers' ``step()`` calls that ran and that
-        were skipped; ``fused`` counts the steps the fused update ran (under
-        ``fused_update=True``; the rest were plain O2 steps). A loss whose
+        were skipped; ``fused`` counts the steps the compiled fused update ran
+        (under ``fused_update=True``), ``one_pass`` those the one-pass C step
+        ran (O2/O5, by default); the rest were plain O2 steps. A loss whose
         scale is inactive (BF16, a static 1.0) counts its steps too.
 
     Raises:
@@ -144,7 +145,8 @@ def counters() -> Dict[str, Any]:
 def counters_of(amp: Any) -> Dict[str, Any]:
     """``counters()`` of the session ``amp``."""
     run = run_of(amp)
-    opts = [{"steps": h.steps, "skipped": h.skipped, "fused": h.fused.steps if h.fused is not None else 0}
+    opts = [{"steps": h.steps, "skipped": h.skipped, "fused": h.fused.steps if h.fused is not None else 0,
+             "one_pass": h.kernel.steps if h.kernel is not None else 0}
             for h in run.handles]
     return {
         "steps": sum(o["steps"] for o in opts),

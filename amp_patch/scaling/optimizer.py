@@ -49,43 +49,34 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
             )
         args, kwargs = (_AbsorbAfter(closure, run),) + tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
     mw = h.masters
-    if h.fused is not None and closure is None and _fused_step(run, h):
-        return None
     decide_skips(run)
     skip = bool(h.skip)
     if not skip:
         # A skip decision stands until the next backward: a second step() with
         # no backward in between must not apply the overflowed gradients.
         h.skip = None
-    if not skip:
-        out = h.originals["step"](*args, **kwargs)
-        if mw is not None:
-            mw.refresh()
+        if closure is None and h.kernel is not None and h.kernel.step_masters():
+            out = None  # the masters' FP32 gradients applied, and the model written, in one pass
+        elif closure is None and h.fused is not None and _fused_step(h):
+            out = None  # the compiled update, where the one-pass step cannot go
+        else:
+            out = h.originals["step"](*args, **kwargs)
+            if mw is not None:
+                mw.refresh()
     h.count(skip)
     if mw is not None:
         mw.consumed()
     return None if skip else out
 
 
-def _fused_step(run: Run, h: Handle) -> bool:
-    """Take this step with the fused update, from the true FP32 gradients every
-    backward left in the masters.
+def _fused_step(h: Handle) -> bool:
+    """Take this step with the compiled fused update (``fused_update=True``),
+    from the true FP32 gradients every backward left in the masters.
 
-    Returns False, with nothing done, when the plain step must run instead
-    (it also takes a step the skip decision skips).
+    Returns False, with nothing done, when the plain step must run instead.
     """
-    if h.parked is not None:
-        return False
-    decide_skips(run)
-    if h.skip:
-        return False
     plan = h.fused.plan()
-    if plan is None or not h.fused.run(plan):
-        return False
-    h.skip = None
-    h.count(skipped=False)
-    h.masters.consumed()
-    return True
+    return plan is not None and h.fused.run(plan)
 
 
 class _AbsorbAfter:
@@ -184,8 +175,10 @@ def attach(amp: Any, optimizers: Sequence[torch.optim.Optimizer], built: Optiona
         if h.patched:
             continue
         if built and id(opt) in built:
-            h.masters, h.fused = built[id(opt)]
+            h.masters, h.fused, h.kernel = built[id(opt)]
         _patch(h)
+        if h.kernel is not None:
+            h.kernel.original = h.originals["step"]
         run.handles.append(h)
         amp.undo.push(_RestoreMethods(amp, h))
     ensure_patches(amp)

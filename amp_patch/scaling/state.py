@@ -65,6 +65,7 @@ class Handle:
         self.run = run
         self.masters: Optional[master.MasterWeights] = None
         self.fused: Any = None  # fused.FusedUpdate under fused_update=True
+        self.kernel: Any = None  # kernel.KernelStep: the one-pass O2/O5 step, where it is built
         self.patched = False
         self.saved: Dict[str, Any] = {}  # replaced instance attributes: name -> own value or _NOTSET
         self.originals: Dict[str, Any] = {}  # name -> the callable we call through

@@ -1,0 +1,302 @@
+"""The default O2/O5 optimizer step: one pass per parameter, in C.
+
+The plain O2 step moves every parameter through memory three or four times:
+the half gradient into an FP32 buffer, the unscale, the optimizer's update of
+the FP32 master, the master into the half model. ``_fusedstep.c`` does it in
+one pass: it reads each gradient once (FP32, BF16 or FP16, multiplied by the
+inverse loss scale as it is read), updates the FP32 master and the optimizer
+state, and writes the half weight. It starts at once (no compiler at run
+time), is vectorized for the CPU it finds, and uses torch's intra-op thread
+count. It computes what the plain step computes, bit for bit on the masters
+and the optimizer state: each update is written with the float operations of
+torch's own CPU implementation, in their order, and Adam's square root is
+taken by the routine ``torch.sqrt`` runs (``sqrt_mode``).
+
+The gradients it reads are the masters' own FP32 ones, already unscaled and
+checked: every scaled backward leaves them there (``amp_patch.scaling``), so
+what user code did to them before the step (clipping, accumulation) is what
+is applied. The kernel replaces the optimizer's update and the copy into the
+half model. It also takes half gradients and an inverse scale (the C entry
+points' ``items`` and ``inv``), which its tests use.
+
+What it covers: ``torch.optim.SGD`` (momentum, dampening, nesterov,
+weight_decay, maximize) and ``Adam``/``AdamW`` (amsgrad, weight_decay,
+maximize), exactly those classes, with float hyperparameters, on dense,
+contiguous FP32 CPU tensors; the first step makes the optimizer state as the
+optimizer's own would (once the step is taken: a skipped first step makes
+none). Everything else takes the plain step (or, under ``fused_update=True``,
+the compiled one where that applies): other optimizers and subclasses,
+``foreach``/``fused``/``capturable``/``differentiable`` set, a tensor
+learning rate, sparse or complex gradients, CUDA or non-contiguous tensors,
+an optimizer whose ``step`` was replaced or that has step hooks, a closure.
+Without a C compiler at install the module is absent and every step is the
+plain one.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch.optim.optimizer import _get_scalar_dtype, _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+log = logging.getLogger("amp_patch")
+Tensor = torch.Tensor
+f32 = torch.float32
+
+try:
+    from . import _fusedstep as native
+    UNAVAILABLE = ""
+except ImportError as exc:  # no compiler at install: the plain step
+    native = None  # type: ignore[assignment]
+    UNAVAILABLE = str(exc)
+    log.debug("amp_patch: the one-pass O2 step is not built (%s); the plain step runs", exc)
+
+#: the gradient / half-weight dtypes the kernel reads and writes, and their codes in _fusedstep.c
+KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_CPU = torch.device("cpu")
+_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+SGD, ADAM, ADAMW = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
+
+
+def refused(optimizer: torch.optim.Optimizer, step: Any = None) -> Optional[str]:
+    """Why the kernel cannot take this optimizer's step now, or None when it can
+    (as far as the optimizer goes; the tensors are checked by ``KernelStep.plan``).
+
+    ``step`` is the callable the plain step would call (the optimizer's own
+    ``step``): one that is not the class's, or any step hook, is the user's
+    code, and only the plain step runs it.
+    """
+    cls = type(optimizer)
+    if cls is not SGD and cls is not ADAM and cls is not ADAMW:
+        return f"{cls.__name__} is not torch.optim.SGD, Adam or AdamW"
+    for group in optimizer.param_groups:
+        for flag in _FLAGS:
+            if group.get(flag):
+                return f"{cls.__name__}({flag}=True)"
+        if isinstance(group["lr"], Tensor) or isinstance(group.get("weight_decay"), Tensor):
+            return "a tensor learning rate or weight decay"
+        if cls is not SGD and any(isinstance(b, Tensor) for b in group["betas"]):
+            return "tensor betas"
+    if step is not None:
+        own = getattr(step, "__func__", None) or getattr(step, "__wrapped__", None)  # the LR scheduler's wrapper
+        if own is not cls.step:
+            return "optimizer.step was replaced"
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or _global_optimizer_post_hooks:
+        return "an optimizer step hook"
+    if any(not getattr(getattr(h, "__self__", None), "amp_patch_internal", False) for h in _global_optimizer_pre_hooks.values()):
+        return "an optimizer step hook"
+    return None
+
+
+def _torch_sqrt_address() -> int:
+    """The address of the routine ``torch.sqrt`` runs on FP32 CPU tensors where torch is
+    built with MKL (its ``vsSqrt``, exported by torch's own library), or 0."""
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"),
+                          mode=getattr(os, "RTLD_NOLOAD", 0))
+        return ctypes.cast(lib.vsSqrt, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):
+        return 0
+
+
+def _gives_torch_sqrt() -> bool:
+    """Whether the kernel's square root gives ``torch.sqrt``'s bits on values of every magnitude."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(4093, generator=g) * torch.logspace(-40, 38, 4093)
+    x = torch.cat([x, torch.tensor([0.0, float("inf"), 1e-45, 1.0, 2.0, 3.0])])
+    r = torch.empty_like(x)
+    native.sqrt(x.data_ptr(), r.data_ptr(), x.numel())
+    return torch.equal(r.view(torch.int32), x.sqrt().view(torch.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def sqrt_mode() -> str:
+    """How Adam's denominator takes its square root, chosen once per process.
+
+    ``"torch"``: with torch's own routine (an MKL build, whose ``torch.sqrt``
+    is within 1 ulp but not always correctly rounded), so Adam is bit for bit
+    the plain step; ``"ieee"``: the CPU's correctly rounded one, which is what
+    this torch's ``sqrt`` gives, bit for bit too; ``"approximate"``: neither
+    matches, and Adam's masters stay within a few ulps of the plain step's
+    (tests/test_fused_step_c.py states the bound). "" when the kernel is not built.
+    """
+    if native is None:
+        return ""
+    addr = _torch_sqrt_address()
+    if addr:
+        native.set_sqrt(addr)
+        if _gives_torch_sqrt():
+            return "torch"
+    native.set_sqrt(0)
+    return "ieee" if _gives_torch_sqrt() else "approximate"
+
+
+class Entry(NamedTuple):
+    """One parameter's part of a step: its tensors and, where the optimizer state does
+    not exist yet (the first step), None for the state, which ``run`` creates."""
+
+    p: Tensor
+    g: Tensor
+    h: Optional[Tensor]
+    state: Optional[Tuple[Optional[Tensor], ...]]  # (a, b, c, step): see _fusedstep.c's Item
+
+
+class Plan(NamedTuple):
+    """One step's work: per param group ``(entries, halfs, grad_owners)``; ``device`` is the CPU."""
+
+    groups: List[Tuple[List[Entry], List[Tensor], List[Tensor]]]
+    device: torch.device = _CPU
+
+
+def _ok(t: Tensor, n: int) -> bool:
+    """A dense, contiguous CPU tensor of ``n`` elements."""
+    return t.device.type == "cpu" and t.layout is torch.strided and t.is_contiguous() and t.numel() == n
+
+
+def _ptr(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class KernelStep:
+    """The one-pass step of one optimizer's FP32 masters (see the module docstring)."""
+
+    def __init__(self, masters: Any):
+        self.mw = masters  # master.MasterWeights
+        self.steps = 0  # steps the kernel took
+        sqrt_mode()
+        self.adam = type(masters.optimizer) is not SGD
+        #: the optimizer's step as the plain step would call it (set when amp_patch patches the optimizer)
+        self.original: Any = None
+
+    def plan(self) -> Optional[Plan]:
+        """The work of this step, or None when the plain step must run. Changes nothing
+        (optimizer state the first step needs is made by ``run``, once the step is taken).
+
+        The gradients are the masters' FP32 ones (unscaled) and the FP32
+        parameters' own.
+        """
+        mw = self.mw
+        opt = mw.optimizer
+        if native is None or torch.compiler.is_compiling() or refused(opt, self.original) is not None:
+            return None
+        groups = []
+        for group in opt.param_groups:
+            entries: List[Entry] = []
+            halfs: List[Tensor] = []
+            owners: List[Tensor] = []
+            for p in group["params"]:
+                i = mw.index.get(id(p))
+                h = mw.halfs[i] if i is not None and mw.masters[i] is p else None
+                g = p.grad
+                if g is None:
+                    continue
+                owners.append(p)
+                n = p.numel()
+                if (p.dtype != f32 or not _ok(p, n) or g.layout is not torch.strided or not _ok(g, n)
+                        or g.dtype not in KINDS):
+                    return None
+                if h is not None:
+                    if h.dtype not in KINDS or not _ok(h, n):
+                        return None
+                    halfs.append(h)
+                state = self._state(group, p, n)
+                if state is False:
+                    return None
+                entries.append(Entry(p, g, h, state))
+            groups.append((entries, halfs, owners))
+        if not any(entries for entries, _, _ in groups):
+            return None  # no gradient at all: the plain step has nothing to do either
+        return Plan(groups)
+
+    def _state(self, group: Dict[str, Any], p: Tensor, n: int) -> Any:
+        """``(a, b, c, step)`` of ``p``'s optimizer state; None where the step creates it
+        (the first); False where the kernel cannot take it (the plain step raises or copes)."""
+        s = self.mw.optimizer.state.get(p)
+        if not self.adam:
+            if group["momentum"] == 0:
+                return (None, None, None, None)
+            a = s.get("momentum_buffer") if s else None
+            if a is None:
+                return None
+            return (a, None, None, None) if a.dtype == f32 and _ok(a, n) else False
+        if not s:
+            return None if _get_scalar_dtype() == f32 else False
+        amsgrad = group["amsgrad"]
+        if "exp_avg" not in s or "exp_avg_sq" not in s or "step" not in s or (amsgrad and "max_exp_avg_sq" not in s):
+            return False
+        a, b, step = s["exp_avg"], s["exp_avg_sq"], s["step"]
+        c = s["max_exp_avg_sq"] if amsgrad else None
+        if not isinstance(step, Tensor) or step.dtype != f32 or not _ok(step, 1):
+            return False
+        if any(t.dtype != f32 or not _ok(t, n) for t in (a, b) + ((c,) if amsgrad else ())):
+            return False
+        return (a, b, c, step)
+
+    def _items(self, group: Dict[str, Any], entries: List[Entry]) -> List[tuple]:
+        """The kernel's items for ``entries``, making the state a first step creates as
+        the optimizer's own first step makes it (same tensors, same keys, same order)."""
+        state = self.mw.optimizer.state
+        items = []
+        for e in entries:
+            p, g, h, st = e
+            init = 0
+            if st is None:
+                if self.adam:
+                    s = state[p]
+                    s["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                    s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group["amsgrad"]:
+                        s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st = (s["exp_avg"], s["exp_avg_sq"], s.get("max_exp_avg_sq"), s["step"])
+                else:  # SGD's first momentum buffer is the gradient itself: the kernel writes it
+                    buf = torch.empty_like(p, memory_format=torch.preserve_format)
+                    state[p]["momentum_buffer"] = buf
+                    st, init = (buf, None, None, None), 1
+            a, b, c, step = st
+            items.append((p.data_ptr(), g.data_ptr(), KINDS[g.dtype], _ptr(a), _ptr(b), _ptr(c), _ptr(h),
+                          KINDS[h.dtype] if h is not None else 0, p.numel(), _ptr(step), init))
+        return items
+
+    @torch.no_grad()
+    def run(self, plan: Plan, inv: Any = 1.0) -> bool:
+        """Update every param group of ``plan``, gradients multiplied by ``inv`` (1 / loss
+        scale: a float or a 0-d tensor); write the half weights. Returns True (it cannot fail).
+
+        Leaves the masters' gradients to the optimizer's ``zero_grad``, as the plain step does.
+        """
+        opt = self.mw.optimizer
+        inv = float(inv)
+        threads = torch.get_num_threads()
+        for group, (entries, halfs, _) in zip(opt.param_groups, plan.groups):
+            if not entries:
+                continue
+            items = self._items(group, entries)
+            if self.adam:
+                b1, b2 = group["betas"]
+                decoupled = bool(group.get("decoupled_weight_decay", type(opt) is ADAMW))
+                native.adam(items, threads, inv, group["maximize"], group["weight_decay"], decoupled, group["lr"],
+                            b1, b2, group["eps"], group["amsgrad"])
+            else:
+                native.sgd(items, threads, inv, group["maximize"], group["weight_decay"], group["momentum"],
+                           group["dampening"], group["nesterov"], group["lr"])
+            if halfs:
+                # the model's weights changed in place, behind autograd's back: a graph that saved them must say so
+                torch.autograd.graph.increment_version(halfs)
+        self.steps += 1
+        return True
+
+    def step_masters(self) -> bool:
+        """The plain step's work on gradients already in the masters (FP32, unscaled):
+        the optimizer's update and the copy into the half model, in one pass.
+
+        Returns False, with nothing done, when the plain step must run instead.
+        """
+        plan = self.plan()
+        if plan is None:
+            return False
+        return self.run(plan)

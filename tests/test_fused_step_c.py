@@ -1,0 +1,450 @@
+"""The one-pass O2/O5 step in C (``amp_patch/precision/_fusedstep.c``, driven by
+``amp_patch.precision.kernel``): the default step where the kernel is built.
+
+It must compute what the plain step computes: the FP32 masters and the
+optimizer state bit for bit as torch's own optimizer leaves them, over several
+steps, for every covered optimizer setting, gradient dtype, half dtype and
+instruction set this CPU has; the half weights exactly the masters rounded.
+Everything it does not cover must take the plain step (and still train the
+same), and without the built module amp_patch must run as before.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import amp_patch
+from amp_patch.precision import kernel
+from helpers import HAS_C_COMPILER, amp, batch, mlp
+
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+C = kernel.native
+needs_kernel = pytest.mark.skipif(C is None, reason=f"the step kernel is not built here ({kernel.UNAVAILABLE})")
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.05)),
+    "sgd_momentum_wd_dampening": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-2, dampening=0.1)),
+    "sgd_nesterov_maximize": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True)),
+    "sgd_wd_maximize_no_momentum": (torch.optim.SGD, dict(lr=0.05, weight_decay=0.1, maximize=True)),
+    "adam": (torch.optim.Adam, dict(lr=1e-2)),
+    "adam_wd_maximize": (torch.optim.Adam, dict(lr=1e-2, weight_decay=1e-2, maximize=True)),
+    "adam_amsgrad_large_lerp_weight": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True, betas=(0.3, 0.9))),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adamw_amsgrad": (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True, eps=1e-6)),
+}
+def _available_isas():
+    if C is None:
+        return []
+    saved = C.isa()
+    out = []
+    for isa in ("scalar", "avx2", "avx512"):
+        try:
+            C.isa(isa)
+            out.append(isa)
+        except ValueError:
+            pass
+    C.isa(saved)
+    return out
+
+
+ISAS = _available_isas()
+# sizes: a single element, a vector tail, and several chunks (threads, chunk edges, tails)
+SIZES = [1, 19, 1000, 2 * (C.CHUNK if C else 16384) + 37]
+
+
+def bits(t):
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def _items(params, grads, opt, halfs):
+    """What KernelStep.plan hands the kernel, for plain tensors."""
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    out = []
+    for p, g, h in zip(params, grads, halfs):
+        s = opt.state[p]
+        if isinstance(opt, torch.optim.SGD):
+            a, b, c, st = s.get("momentum_buffer"), None, None, None
+        else:
+            a, b, c, st = s["exp_avg"], s["exp_avg_sq"], s.get("max_exp_avg_sq"), s["step"]
+        out.append((p.data_ptr(), g.data_ptr(), kernel.KINDS[g.dtype], ptr(a), ptr(b), ptr(c), ptr(h),
+                    kernel.KINDS[h.dtype], p.numel(), ptr(st), 0))
+    return out
+
+
+def _kernel_step(opt, params, grads, halfs, inv, threads):
+    group = opt.param_groups[0]
+    items = _items(params, grads, opt, halfs)
+    if isinstance(opt, torch.optim.SGD):
+        return C.sgd(items, threads, inv, group["maximize"], group["weight_decay"], group["momentum"],
+                     group["dampening"], group["nesterov"], group["lr"])
+    b1, b2 = group["betas"]
+    return C.adam(items, threads, inv, group["maximize"], group["weight_decay"], group["decoupled_weight_decay"],
+                  group["lr"], b1, b2, group["eps"], group["amsgrad"])
+
+
+@needs_kernel
+def test_sqrt_is_torchs_here():
+    # Adam's bit equality rests on the square root: torch's (MKL's, not always correctly
+    # rounded) where the kernel found it, else the CPU's where torch.sqrt gives exactly that
+    assert kernel.sqrt_mode() in ("torch", "ieee"), kernel.sqrt_mode()
+
+
+def test_the_step_kernel_is_built_where_a_compiler_is():
+    if not HAS_C_COMPILER:
+        pytest.skip("no C compiler on this machine: O2 takes the plain step")
+    assert C is not None, f"a C compiler is here but the step kernel is not importable ({kernel.UNAVAILABLE}); " \
+                          f"reinstall with `pip install -e .` (or `python setup.py build_ext --inplace`)"
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("gdt,hdt", [(f32, bf16), (bf16, bf16), (f16, f16), (f32, f16)])
+def test_kernel_steps_masters_and_state_bit_for_bit_as_torch(name, gdt, hdt):
+    """Four steps with state, from the same start, against torch's own optimizer
+    on FP32 gradients made as amp_patch makes them (half -> FP32, times 1/scale)."""
+    cls, kw = OPTIMIZERS[name]
+    inv = 2.0**-10 if gdt == f16 else 1.0
+    kernel.sqrt_mode()
+    saved, stream_min = C.isa(), C.stream_min()
+    try:
+        for isa, threads in itertools.product(ISAS, (1, 3)):
+            C.isa(isa)
+            C.stream_min(0 if threads == 3 else stream_min)  # streaming stores of the half weights too
+            torch.manual_seed(0)
+            ref = [torch.randn(n) for n in SIZES]
+            mine = [p.clone() for p in ref]
+            o_ref, o_mine = cls(ref, **kw), cls(mine, **kw)
+            for step in range(4):
+                grads = [(torch.randn(n) * 0.1 / inv).to(gdt) for n in SIZES]
+                for r, g in zip(ref, grads):
+                    r.grad = g.float() * torch.tensor(inv)
+                o_ref.step()
+                if step == 0:  # the first step creates the optimizer state: the plain step's
+                    for m, g in zip(mine, grads):
+                        m.grad = g.float() * torch.tensor(inv)
+                    o_mine.step()
+                    continue
+                halfs = [torch.empty(n, dtype=hdt) for n in SIZES]
+                assert _kernel_step(o_mine, mine, grads, halfs, inv, threads) is False
+                where = f"{isa}, {threads} threads, step {step}"
+                for r, m, h in zip(ref, mine, halfs):
+                    assert same_bits(m, r), f"{where}: master differs at {(m != r).nonzero()[:5].tolist()}"
+                    assert same_bits(h, m.to(hdt)), f"{where}: the half weight is not the master rounded"
+                    for k, v in o_ref.state[r].items():
+                        assert same_bits(o_mine.state[m][k], v), f"{where}: state {k!r} differs"
+    finally:
+        C.isa(saved)
+        C.stream_min(stream_min)
+
+
+SPECIAL = [0.0, -0.0, 1.0, -1.5, 65504.0, 65519.99, 65520.0, 1e6, -1e6, 6.1e-5, 6.0e-5, 3e-8, 2.9802322e-08,
+           5.96e-8, 1e-10, 1e-40, -1e-40, 3.3895314e38, 1.0000001, 1.0039062, 1.0039063, 1.0117188, float("inf"),
+           float("-inf")]
+
+
+@needs_kernel
+@pytest.mark.parametrize("hdt", [bf16, f16])
+def test_half_weights_round_as_torch_converts_them(hdt):
+    """Ties, subnormals, overflow, infinities: through every instruction set's store
+    (an SGD step with lr=0 writes the master unchanged into the half weight)."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.tensor(SPECIAL * 3)
+    # every bit pattern near the rounding point of both formats, and random magnitudes
+    edges = torch.arange(-70000, 70000, dtype=torch.int32) * 97 + 0x3F800000
+    master0 = torch.cat([values, edges.view(f32), torch.randn(5000, generator=g) * torch.logspace(-44, 38, 5000)])
+    master0 = master0[torch.isfinite(master0) | torch.isinf(master0)]
+    saved = C.isa()
+    try:
+        for isa in ISAS:
+            C.isa(isa)
+            master = master0.clone()
+            opt = torch.optim.SGD([master], lr=0.0)
+            half = torch.empty(master.numel(), dtype=hdt)
+            grad = torch.zeros_like(master, dtype=hdt)
+            _kernel_step(opt, [master], [grad], [half], 1.0, 2)
+            assert same_bits(master, master0)
+            assert same_bits(half, master0.to(hdt)), f"{isa}: {(half != master0.to(hdt)).nonzero()[:5].tolist()}"
+    finally:
+        C.isa(saved)
+    # the portable scalar conversion, value by value
+    kind = kernel.KINDS[hdt]
+    for v, (code, back) in zip(SPECIAL, C.round_bits(SPECIAL, kind)):
+        t = torch.tensor([v]).to(hdt)
+        assert code == t.view(torch.int16).item() & 0xFFFF, v
+        assert back == t.float().item() or back != back, v
+
+
+@needs_kernel
+@pytest.mark.parametrize("gdt", [f32, bf16, f16])
+def test_non_finite_check_finds_one_inf_or_nan_anywhere(gdt):
+    n = 3 * 16 + 5
+    saved = C.isa()
+    try:
+        for isa, at, bad in itertools.product(ISAS, (0, 17, n - 1), (float("inf"), float("-inf"), float("nan"))):
+            C.isa(isa)
+            g = torch.randn(n).to(gdt)
+            item = [(0, g.data_ptr(), kernel.KINDS[gdt], 0, 0, 0, 0, 0, n, 0, 0)]
+            assert C.non_finite(item, 2) is False
+            g[at] = bad
+            assert C.non_finite(item, 2) is True, (isa, at, bad)
+    finally:
+        C.isa(saved)
+
+
+# ------------------------------------------------------------------ through amp_patch
+
+
+def net(seed=0):
+    # a kept-FP32 BatchNorm: parameters that are their own masters ride along
+    return mlp(16, 37, 4, seed=seed, norm="batch")
+
+
+def train(name, steps, config, use_kernel, monkeypatch=None, inf_at=None, accumulate=False, clip=False):
+    """Train ``steps`` steps; (masters, half params, optimizer state, counters, loss scales)."""
+    cls, kw = OPTIMIZERS[name]
+    model = net()
+    opt = cls(model.parameters(), **kw)
+    saved = kernel.native
+    kernel.native = kernel.native if use_kernel else None
+    scales = []
+    try:
+        with amp(model, opt, **config) as (model, opt):
+            for i in range(steps):
+                x, y = batch(i, 16, 4)
+                if i == inf_at:
+                    x[0, 0] = float("inf")
+                opt.zero_grad()
+                F.mse_loss(model(x).float(), y).backward()
+                if accumulate:
+                    x, y = batch(i + 100, 16, 4)
+                    F.mse_loss(model(x).float(), y).backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(amp_patch.master_params(opt), 0.5)
+                opt.step()
+                scales.append(amp_patch.counters()["loss_scale"][0])
+            masters = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+            halfs = [p.detach().clone() for p in model.parameters()]
+            state = [{k: v.clone() for k, v in opt.state[p].items()} for g in opt.param_groups for p in g["params"]]
+            return masters, halfs, state, amp_patch.counters(), scales
+    finally:
+        kernel.native = saved
+
+
+CONFIGS = {
+    "O5_bf16": dict(opt_level="O5"),
+    "O2_fp16_dynamic": dict(opt_level="O2", half_dtype=torch.float16, init_scale=2.0**12, growth_interval=2),
+}
+
+
+def assert_same_training(a, b):
+    ma, ha, sa, _, la = a
+    mb, hb, sb, _, lb = b
+    assert all(same_bits(x, y) for x, y in zip(ma, mb)), "masters differ"
+    assert all(torch.equal(x, y) for x, y in zip(ha, hb)), "half weights differ"
+    assert la == lb, "loss scale histories differ"
+    for x, y in zip(sa, sb):
+        assert x.keys() == y.keys()
+        assert all(same_bits(x[k], y[k]) for k in x), "optimizer state differs"
+
+
+@needs_kernel
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_default_o2_step_is_the_kernel_and_trains_bit_for_bit_as_the_plain_step(name, config):
+    inf_at = 3 if "fp16" in config else None  # FP16: a skipped step on the way
+    plain = train(name, 6, CONFIGS[config], False, inf_at=inf_at)
+    got = train(name, 6, CONFIGS[config], True, inf_at=inf_at)
+    assert_same_training(plain, got)
+    c = got[3]["optimizers"][0]
+    # every step, the first (which creates the optimizer state) included
+    assert c["one_pass"] == 6 - (inf_at is not None) and c["fused"] == 0
+    assert plain[3]["optimizers"][0]["one_pass"] == 0
+    if inf_at is not None:
+        assert got[3]["skipped"] == 1
+    masters, halfs = got[0], got[1]
+    for m, h in zip(masters, halfs):
+        assert torch.equal(h, m.to(h.dtype)), "a half weight is not its master rounded"
+    assert {h.dtype for h in halfs} == {CONFIGS[config].get("half_dtype", bf16), f32}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["sgd_momentum_wd_dampening", "adamw_amsgrad"])
+def test_a_skipped_first_step_creates_no_state(name):
+    """The kernel makes the optimizer state of a first step only once that step is taken."""
+    cfg = CONFIGS["O2_fp16_dynamic"]
+    plain = train(name, 3, cfg, False, inf_at=0)
+    got = train(name, 3, cfg, True, inf_at=0)
+    assert_same_training(plain, got)
+    assert got[3]["skipped"] == 1 and got[3]["optimizers"][0]["one_pass"] == 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("how", ["accumulate", "clip"])
+@pytest.mark.parametrize("name", ["sgd_momentum_wd_dampening", "adamw_amsgrad"])
+def test_gradients_already_in_the_masters_take_the_kernel_too(name, how):
+    """Accumulation over two backwards, or clip_grad_norm_ on the masters, leave FP32
+    unscaled gradients in the masters: the kernel reads those (FP32, no scale)."""
+    cfg = CONFIGS["O2_fp16_dynamic"]
+    plain = train(name, 4, cfg, False, accumulate=how == "accumulate", clip=how == "clip")
+    got = train(name, 4, cfg, True, accumulate=how == "accumulate", clip=how == "clip")
+    assert_same_training(plain, got)
+    assert got[3]["optimizers"][0]["one_pass"] == 4
+
+
+def _one_pass(build, steps=3, **cfg):
+    """(one-pass steps, masters) of training ``build()``'s (model, optimizer) for ``steps`` steps at O5."""
+    model, opt = build()
+    with amp(model, opt, "O5", **cfg) as (model, opt):
+        for i in range(steps):
+            x, y = batch(i, 16, 4)
+            opt.zero_grad()
+            F.mse_loss(model(x).float(), y).backward()
+            opt.step()
+        return amp_patch.counters()["optimizers"][0]["one_pass"], [p.detach().clone() for p in amp_patch.master_params(opt)]
+
+
+class MySGD(torch.optim.SGD):
+    pass
+
+
+def _with(factory, change=None):
+    def build():
+        model = net()
+        opt = factory(model)
+        if change is not None:
+            change(model, opt)
+        return model, opt
+    return build
+
+
+FALLBACKS = {
+    "another optimizer": _with(lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3)),
+    "a subclass": _with(lambda m: MySGD(m.parameters(), lr=0.1)),
+    "foreach=True": _with(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, foreach=True)),
+    "a tensor lr": _with(lambda m: torch.optim.Adam(m.parameters(), lr=torch.tensor(1e-3))),
+    "a step hook": _with(lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                         lambda m, o: o.register_step_post_hook(lambda *a: None)),
+    "a global step hook": _with(lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
+    "a replaced step": _with(lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                             lambda m, o: setattr(o, "step", functools.partial(type(o).step, o))),
+    "a non-contiguous weight": _with(lambda m: torch.optim.SGD(_transposed(m).parameters(), lr=0.1)),
+}
+
+
+def _transposed(model):
+    """``model`` with its first weight a transposed view (same values): not contiguous."""
+    w = model[0].weight.detach()
+    model[0].weight = nn.Parameter(w.t().contiguous().t())
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("what", sorted(FALLBACKS))
+def test_what_the_kernel_does_not_cover_takes_the_plain_step(what, monkeypatch):
+    build = FALLBACKS[what]
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda *a: seen.append(1)) \
+        if what == "a global step hook" else None
+    try:
+        n, got = _one_pass(build)
+        assert n == 0, f"{what}: the kernel stepped"
+        monkeypatch.setattr(kernel, "native", None)
+        _, plain = _one_pass(build)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert len(seen) == (6 if handle is not None else 0)  # the user's hook ran at every step
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
+
+
+@pytest.mark.parametrize("flag", ["foreach", "fused", "capturable", "differentiable"])
+def test_optimizers_with_their_own_kernels_are_refused(flag):
+    p = [nn.Parameter(torch.randn(3))]
+    for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        opt = cls(p, lr=0.1)
+        assert kernel.refused(opt) is None
+        opt.param_groups[0][flag] = True
+        assert kernel.refused(opt) == f"{cls.__name__}({flag}=True)"
+
+
+@needs_kernel
+def test_a_sparse_gradient_takes_the_plain_step():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    with amp(emb, opt, "O5") as (emb, opt):
+        for _ in range(2):
+            opt.zero_grad()
+            emb(torch.tensor([1, 2, 2])).float().sum().backward()
+            opt.step()
+        assert amp_patch.counters()["optimizers"][0]["one_pass"] == 0
+        assert amp_patch.counters()["steps"] == 2
+
+
+@needs_kernel
+def test_a_closure_takes_the_plain_step():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with amp(model, opt, "O5") as (model, opt):
+        x, y = batch(0, 16, 4)
+        for _ in range(3):
+            def closure():
+                opt.zero_grad()
+                loss = F.mse_loss(model(x).float(), y)
+                loss.backward()
+                return loss
+            opt.step(closure)
+        assert amp_patch.counters()["optimizers"][0]["one_pass"] == 0
+
+
+@needs_kernel
+def test_the_kernel_bumps_the_half_weights_version():
+    """A graph that saved a half weight before the step must refuse to backward after it."""
+    model = mlp(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp(model, opt, "O5") as (model, opt):
+        for i in range(2):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).float().sum().backward()
+            if i == 1:
+                out = model(torch.randn(2, 4, requires_grad=True)).float().sum()  # saves the weight
+            opt.step()
+        assert amp_patch.counters()["optimizers"][0]["one_pass"] == 2
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+
+
+def test_without_the_built_kernel_o2_takes_the_plain_step(tmp_path):
+    """As after an install with no C compiler: the import fails, nothing else does."""
+    script = (
+        "import sys; sys.modules['amp_patch.precision._fusedstep'] = None\n"
+        "import torch, amp_patch\n"
+        "from amp_patch.precision import kernel\n"
+        "assert kernel.native is None and kernel.UNAVAILABLE, kernel.UNAVAILABLE\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Linear(8, 8); o = torch.optim.AdamW(m.parameters(), lr=1e-2)\n"
+        "m, o = amp_patch.initialize(m, o, 'O2', verbosity=0)\n"
+        "for _ in range(3):\n"
+        "    o.zero_grad(); m(torch.randn(4, 8).to(torch.bfloat16)).float().sum().backward(); o.step()\n"
+        "c = amp_patch.counters()\n"
+        "assert c['steps'] == 3 and c['optimizers'][0]['one_pass'] == 0, c\n"
+        "assert torch.equal(m.weight, amp_patch.master_params(o).__next__().to(torch.bfloat16))\n"
+        "print('plain ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "plain ok" in res.stdout
