@@ -1,16 +1,15 @@
 """The default O2/O5 optimizer step: one pass per parameter, in C.
 
-The plain O2 step moves every parameter through memory three or four times:
-the half gradient into an FP32 buffer, the unscale, the optimizer's update of
-the FP32 master, the master into the half model. ``_fusedstep.c`` does it in
-one pass: it reads each gradient once (FP32, BF16 or FP16, multiplied by the
-inverse loss scale as it is read), updates the FP32 master and the optimizer
-state, and writes the half weight. It starts at once (no compiler at run
-time), is vectorized for the CPU it finds, and uses torch's intra-op thread
-count. It computes what the plain step computes, bit for bit on the masters
-and the optimizer state: each update is written with the float operations of
-torch's own CPU implementation, in their order, and Adam's square root is
-taken by the routine ``torch.sqrt`` runs (``sqrt_mode``).
+The plain O2 step runs the optimizer's update over the FP32 masters (a
+multi-tensor pass per state tensor) and then copies the masters into the half
+model, one more pass. ``_fusedstep.c`` does it in one pass: it reads each
+gradient once, updates the FP32 master and the optimizer state, and writes the
+half weight. It starts at once (no compiler at run time), is vectorized for
+the CPU it finds, and uses torch's intra-op thread count. It computes what the
+plain step computes, bit for bit on the masters and the optimizer state: each
+update is written with the float operations of torch's own CPU
+implementation, in their order, and Adam's square root is taken by the
+routine ``torch.sqrt`` runs (``sqrt_mode``).
 
 The gradients it reads are the masters' own FP32 ones, already unscaled and
 checked: every scaled backward leaves them there (``amp_patch.scaling``), so
