@@ -453,7 +453,7 @@ def test_run_names_defaults_and_the_scripts_own_initialize(tmp_path, capsys):
     assert cli.main(["run", "--half-dtype", "float16", "--loss-scale", "dynamic", str(script)]) == 0
     banner, summary = _ours(capsys.readouterr().err)
     assert banner == ("amp-patch run: O1 (default; torch functions cast), half dtype float16 (from --half-dtype), "
-                      "dynamic loss scaling (from --loss-scale); apex_train.py:5 calls amp.initialize itself, and "
+                      "dynamic loss scaling (from --loss-scale); apex_train.py:6 calls amp.initialize itself, and "
                       "its opt level and loss scale replace these from there")
     assert summary == ("amp-patch run: done: O2 in float16, set by the script's own initialize; 2 steps taken, "
                        "0 skipped; final loss scale 65536 (dynamic); ops cast: none patched, the model itself is float16")

@@ -52,6 +52,7 @@ from .. import frontend
 from ..diagnostics import AmpWarning, setup_checks
 from ..diagnostics.stats import dtype_name
 from ..errors import ConfigError
+from ..scaling.checkpoint import counters
 
 MODES = ("FP32", "O1", "O2")
 NO_NATIVE_BF16 = (
@@ -375,10 +376,22 @@ class Trainer:
             "final_loss": float(self.loss.detach()),
             "layers": _layer_dtypes(self.model, *self.data[0], self.loss_fn),
             "peak_bytes": _peak_memory(lambda: self.step(*self.data[0]), self.model, self.optimizer, self.data[0], self.device),
+            "step": _step_kind(self.mode),
         }
         if self.mode != "FP32":
             frontend.deinitialize()
         return out
+
+
+def _step_kind(mode: str) -> str:
+    """Which optimizer step an O2/O5 run took: the default one-pass step, or the plain one."""
+    if mode not in ("O2", "O5"):
+        return ""
+    c = counters()
+    one, total = c["optimizers"][0]["one_pass"], c["steps"]
+    if one:
+        return f"{mode}'s optimizer step (the default, no option): one pass in C per parameter for {one} of {total} steps"
+    return f"{mode}'s optimizer step: the plain step (the one-pass C step is not built here)"
 
 
 def _worker(conn: Any, mode: str, config: Dict[str, Any], device_name: str, threads: int, quiet_bf16: bool) -> None:
@@ -658,6 +671,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results, speedups = measure(modes, args, device, quiet_bf16=emulated)
     print()
     print(format_table(results))
+    for r in results:
+        if r.step:
+            print("\n" + r.step)
     reasons = noise_verdict(speedups, load, cores)
     if reasons:
         print(f"\nToo noisy to trust these figures: {'; '.join(reasons)}. Run it again on an idle machine, "
