@@ -25,3 +25,12 @@ def lists_of(namespace: str) -> Dict[str, List[Any]]:
         if item not in out[attr]:
             out[attr].append(item)
     return out
+
+
+def fill(module_globals: Dict[str, Any], namespace: str) -> None:
+    """Give one ``*_overrides`` module its five Apex lists for ``namespace``
+    and ``BASELINE``, the contents as shipped per policy, against which edits
+    are read."""
+    lists = lists_of(namespace)
+    module_globals.update(lists)
+    module_globals["BASELINE"] = {policy: list(lists[attr]) for attr, policy in ATTRS.items()}

@@ -2,16 +2,8 @@
 before ``amp.initialize`` (see ``amp_patch.apex.lists``)."""
 import torch
 
-from ._views import lists_of
+from ._views import fill
 
 MODULE = torch
-_lists = lists_of("torch")
-FP16_FUNCS = _lists["FP16_FUNCS"]
-FP32_FUNCS = _lists["FP32_FUNCS"]
-CASTS = _lists["CASTS"]
-SEQUENCE_CASTS = _lists["SEQUENCE_CASTS"]
-BANNED_FUNCS = _lists["BANNED_FUNCS"]
-#: the contents as shipped, per policy, against which edits are read
-BASELINE = {"half": list(FP16_FUNCS), "float": list(FP32_FUNCS), "promote": list(CASTS),
-            "sequence_promote": list(SEQUENCE_CASTS), "banned": list(BANNED_FUNCS)}
-del _lists
+# FP16_FUNCS, FP32_FUNCS, CASTS, SEQUENCE_CASTS, BANNED_FUNCS and BASELINE
+fill(globals(), "torch")
