@@ -31,6 +31,8 @@ from ..patching.cast import LOW
 
 Tensor = torch.Tensor
 f32 = torch.float32
+#: a CPU master-gradient buffer this large outlives zero_grad(set_to_none=True) (see zero_model_grads)
+KEEP_ON_CPU = 8 << 20
 
 
 def _state_to(state: Dict[str, Any], dtype: torch.dtype) -> Dict[str, Any]:
@@ -256,12 +258,16 @@ class MasterWeights:
                         self.masters[i].grad = self._buffer(i).zero_()
         self.holds_partial_sum = False
         self.zeroed = not set_to_none
-        if set_to_none and self.masters and self.masters[0].is_cuda:
-            # On CUDA the FP32 gradient buffers go with the gradients, so they are
-            # not held through the next backward beside its activations (the peak);
-            # the caching allocator hands the memory back at the backward's end for
-            # free. On a CPU they stay: a fresh allocation would page-fault every step.
-            self.grads = [None] * len(self.grads)
+        if set_to_none and self.masters:
+            # The FP32 gradient buffers go with the gradients, so they are not held
+            # through the next backward beside its activations (the peak); at the
+            # backward's end the allocator hands the memory back: CUDA's caching
+            # allocator for free, a CPU's heap for buffers below KEEP_ON_CPU. A
+            # larger CPU buffer stays: the C allocator would map it fresh each
+            # step and page-fault every byte of it in again.
+            cuda = self.masters[0].is_cuda
+            self.grads = [b if b is not None and not cuda and b.numel() * b.element_size() >= KEEP_ON_CPU else None
+                          for b in self.grads]
 
     def add_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """A param group for ``add_param_group`` with masters for its half parameters."""
