@@ -99,8 +99,12 @@ for epoch in range(args.epochs):
         losses.append(to_python_float(reduced_loss))
         scales.append(amp._amp_state.loss_scalers[0].loss_scale())
 
-torch.save({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": amp.state_dict()},
-           args.checkpoint)
+# rank 0 saves (as Apex's ImageNet example did); every rank reads it once it is written
+if not args.distributed or dist.get_rank() == 0:
+    torch.save({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": amp.state_dict()},
+               args.checkpoint)
+if args.distributed:
+    dist.barrier()
 checkpoint = torch.load(args.checkpoint, weights_only=False)
 amp.load_state_dict(checkpoint["amp"])
 module = model.module if args.distributed else model
