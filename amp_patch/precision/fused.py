@@ -91,17 +91,17 @@ def validate(props: Any, options: Any, optimizers: List[torch.optim.Optimizer]) 
             )
 
 
-def _float(g: Tensor, inv: Tensor, maximize: bool) -> Tensor:
-    """The true FP32 gradient: unscaled (``inv`` is 1 / loss scale) and negated for ``maximize``."""
-    g = g.to(f32) * inv
+def _float(g: Tensor, maximize: bool) -> Tensor:
+    """The gradient in FP32, negated for ``maximize``."""
+    g = g.to(f32)
     return -g if maximize else g
 
 
 def _sgd(params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], halfs: List[Tensor], lr: Tensor,
-         inv: Tensor, momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool) -> None:
+         momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool) -> None:
     """``torch.optim.SGD``'s update; ``halfs[i]`` receives ``params[i]`` (the masters come first)."""
     for i, p in enumerate(params):
-        g = _float(grads[i], inv, maximize)
+        g = _float(grads[i], maximize)
         if weight_decay != 0:
             g = g + weight_decay * p
         if momentum != 0:
@@ -114,12 +114,12 @@ def _sgd(params: List[Tensor], grads: List[Tensor], bufs: List[Tensor], halfs: L
 
 
 def _adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
-          max_sqs: List[Tensor], steps: List[Tensor], halfs: List[Tensor], lr: Tensor, inv: Tensor,
+          max_sqs: List[Tensor], steps: List[Tensor], halfs: List[Tensor], lr: Tensor,
           beta1: float, beta2: float, eps: float, weight_decay: float, amsgrad: bool, maximize: bool,
           decoupled: bool) -> None:
     """``torch.optim.Adam``'s and ``AdamW``'s update (``decoupled`` weight decay for AdamW)."""
     for i, p in enumerate(params):
-        g = _float(grads[i], inv, maximize)
+        g = _float(grads[i], maximize)
         step = steps[i]
         step.add_(1)
         if weight_decay != 0:
@@ -166,7 +166,6 @@ class FusedUpdate:
         self.off: Optional[str] = None  # why the fused update stopped for good
         self.baked: Optional[List[Tuple[Any, ...]]] = None  # the hyperparameters it compiled with
         self.lr: Optional[Tensor] = None  # 0-d, refilled per group: a new lr is not a recompile
-        self.one: Optional[Tensor] = None  # the inverse scale the kernels take: the gradients are true already
         self.steps = 0  # fused steps taken
 
     def _fn(self, kind: str) -> Any:
@@ -249,8 +248,7 @@ class FusedUpdate:
         opt = self.mw.optimizer
         if self.lr is None or self.lr.device != plan.device:
             self.lr = torch.zeros((), dtype=f32, device=plan.device)
-            self.one = torch.ones((), dtype=f32, device=plan.device)
-        lr, inv = self.lr, self.one
+        lr = self.lr
         update = self._fn(self.kind)
         stepped = False  # a group has been updated: the plain step must not repeat it
         try:
@@ -263,14 +261,14 @@ class FusedUpdate:
                     if self.kind == "sgd":
                         m = group["momentum"]
                         bufs = [s["momentum_buffer"] for s in state] if m != 0 else []
-                        update(params, grads, bufs, halfs, lr, inv, m, group["dampening"],
+                        update(params, grads, bufs, halfs, lr, m, group["dampening"],
                                group["weight_decay"], group["nesterov"], group["maximize"])
                     else:
                         b1, b2 = group["betas"]
                         ams = group["amsgrad"]
                         update(params, grads, [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state],
                                [s["max_exp_avg_sq"] for s in state] if ams else [], [s["step"] for s in state],
-                               halfs, lr, inv, b1, b2, group["eps"], group["weight_decay"], ams, group["maximize"],
+                               halfs, lr, b1, b2, group["eps"], group["weight_decay"], ams, group["maximize"],
                                bool(group.get("decoupled_weight_decay", self.decoupled)))
                     stepped = True
         except Exception as e:  # no compiler, or a compiler error: the plain step is always there

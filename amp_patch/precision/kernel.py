@@ -145,9 +145,9 @@ class Entry(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """One step's work: per param group ``(entries, halfs, grad_owners)``; ``device`` is the CPU."""
+    """One step's work: per param group ``(entries, halfs)``; ``device`` is the CPU."""
 
-    groups: List[Tuple[List[Entry], List[Tensor], List[Tensor]]]
+    groups: List[Tuple[List[Entry], List[Tensor]]]
     device: torch.device = _CPU
 
 
@@ -186,14 +186,12 @@ class KernelStep:
         for group in opt.param_groups:
             entries: List[Entry] = []
             halfs: List[Tensor] = []
-            owners: List[Tensor] = []
             for p in group["params"]:
                 i = mw.index.get(id(p))
                 h = mw.halfs[i] if i is not None and mw.masters[i] is p else None
                 g = p.grad
                 if g is None:
                     continue
-                owners.append(p)
                 n = p.numel()
                 if (p.dtype != f32 or not _ok(p, n) or g.layout is not torch.strided or not _ok(g, n)
                         or g.dtype not in KINDS):
@@ -206,8 +204,8 @@ class KernelStep:
                 if state is False:
                     return None
                 entries.append(Entry(p, g, h, state))
-            groups.append((entries, halfs, owners))
-        if not any(entries for entries, _, _ in groups):
+            groups.append((entries, halfs))
+        if not any(entries for entries, _ in groups):
             return None  # no gradient at all: the plain step has nothing to do either
         return Plan(groups)
 
@@ -262,16 +260,16 @@ class KernelStep:
         return items
 
     @torch.no_grad()
-    def run(self, plan: Plan, inv: Any = 1.0) -> bool:
-        """Update every param group of ``plan``, gradients multiplied by ``inv`` (1 / loss
-        scale: a float or a 0-d tensor); write the half weights. Returns True (it cannot fail).
+    def run(self, plan: Plan) -> bool:
+        """Update every param group of ``plan`` from its true gradients (the kernel's
+        inverse scale is 1); write the half weights. Returns True (it cannot fail).
 
         Leaves the masters' gradients to the optimizer's ``zero_grad``, as the plain step does.
         """
         opt = self.mw.optimizer
-        inv = float(inv)
+        inv = 1.0
         threads = torch.get_num_threads()
-        for group, (entries, halfs, _) in zip(opt.param_groups, plan.groups):
+        for group, (entries, halfs) in zip(opt.param_groups, plan.groups):
             if not entries:
                 continue
             items = self._items(group, entries)

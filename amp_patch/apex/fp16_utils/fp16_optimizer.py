@@ -134,7 +134,33 @@ def _scaler_state(saved: Any) -> Dict[str, Any]:
     )
 
 
-class FP16_Optimizer:
+class ForwardsToOptimizer:
+    """``state`` and ``param_groups`` of an optimizer wrapper are its wrapped
+    optimizer's (``self.optimizer``), so schedulers and scripts that set ``lr``
+    reach it (both generations of Apex's ``FP16_Optimizer``)."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's ``state``."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The wrapped optimizer's ``param_groups`` (holding the masters), e.g. to set the learning rate."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+
+class FP16_Optimizer(ForwardsToOptimizer):
     """FP32 master weights and loss scaling around an optimizer of a half-precision model.
 
     The wrapped optimizer steps FP32 masters of the model's FP16 (or BF16)
@@ -497,20 +523,3 @@ class FP16_Optimizer:
     def loss_scale(self, value: float) -> None:
         self.loss_scaler.scale = float(value)
 
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's ``state``."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:
-        """The wrapped optimizer's ``param_groups`` (holding the masters), e.g. to set the learning rate."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: List[Dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value

@@ -513,6 +513,25 @@ class FusedAdagrad(_Fused):
 # ------------------------------------------------------------------ SGD
 
 
+def sgd_defaults(lr: Any, momentum: float, dampening: float, weight_decay: float, nesterov: bool) -> Dict[str, Any]:
+    """The param-group defaults of Apex's SGDs (``FusedSGD``, contrib's ``FusedSGD``),
+    checked as Apex (and ``torch.optim.SGD``) checked them.
+
+    Raises:
+        ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``, or ``nesterov``
+            without momentum or with dampening.
+    """
+    if lr is not required and lr < 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if momentum < 0.0:
+        raise ValueError(f"Invalid momentum value: {momentum}")
+    if weight_decay < 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    return dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+
+
 class FusedSGD(_Fused):
     """Apex's ``FusedSGD``: SGD with momentum, dampening, Nesterov and weight
     decay, as ``torch.optim.SGD``, plus ``wd_after_momentum``.
@@ -549,16 +568,7 @@ class FusedSGD(_Fused):
     def __init__(self, params: Params, lr: float = required, momentum: float = 0, dampening: float = 0,
                  weight_decay: float = 0, nesterov: bool = False, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True, set_grad_none: bool = False):
-        if lr is not required and lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(params, defaults, set_grad_none)
+        super().__init__(params, sgd_defaults(lr, momentum, dampening, weight_decay, nesterov), set_grad_none)
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
 

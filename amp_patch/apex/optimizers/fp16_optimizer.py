@@ -24,12 +24,14 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..fp16_utils.fp16_optimizer import ForwardsToOptimizer
+
 log = logging.getLogger("amp_patch")
 
 __all__ = ["FP16_Optimizer", "ContribFP16_Optimizer"]
 
 
-class FP16_Optimizer:
+class FP16_Optimizer(ForwardsToOptimizer):
     """Apex's fused-era ``FP16_Optimizer``: FP32 masters and loss scaling around
     an optimizer with the old ``step(grads=, output_params=, scale=, grad_norms=)``
     (``apex.optimizers.FusedAdam`` given ``max_grad_norm`` or the like, or
@@ -191,23 +193,6 @@ class FP16_Optimizer:
                 self.cur_scale *= self.scale_factor
         self.cur_iter += 1
 
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's ``state``."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def param_groups(self) -> Any:
-        """The wrapped optimizer's ``param_groups`` (set ``lr`` here)."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: Any) -> None:
-        self.optimizer.param_groups = value
 
     def state_dict(self) -> Dict[str, Any]:
         """Apex's checkpoint: the scaler's fields, ``optimizer_state_dict`` and the FP32 masters."""

@@ -11,7 +11,7 @@ import torch
 from torch.optim.optimizer import required
 
 from ... import amp_C
-from ...optimizers import _per_group
+from ...optimizers import _per_group, sgd_defaults
 
 __all__ = ["FusedSGD"]
 
@@ -38,16 +38,7 @@ class FusedSGD(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float = required, momentum: float = 0, dampening: float = 0,
                  weight_decay: float = 0, nesterov: bool = False, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True):
-        if lr is not required and lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov))
+        super().__init__(params, sgd_defaults(lr, momentum, dampening, weight_decay, nesterov))
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
         self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int)
