@@ -7,7 +7,7 @@ See the README for the opt levels, the op lists and the apex.amp drop-in.
 
 __version__ = "0.1.0"  # setup.cfg's version; first, so every module may import it
 
-from .errors import (
+from .base.errors import (
     AmpError,
     BannedOpError,
     CastError,

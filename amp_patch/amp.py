@@ -27,9 +27,10 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from . import frontend as _frontend
-from . import properties as _properties
-from . import scaling, session
-from .errors import ConfigError
+from . import scaling
+from .base import running
+from .base.errors import ConfigError
+from .config import parse as _parse
 from .apex import amp_state as _amp_state_module
 from .apex import handle as _handle_module
 from .apex import lists as _lists_module
@@ -88,7 +89,7 @@ _enabled: Optional[bool] = None
 
 
 def _passthrough() -> bool:
-    return _enabled is False and session.current() is None
+    return _enabled is False and running.session() is None
 
 
 
@@ -158,7 +159,7 @@ def initialize(
     global _enabled
     if not enabled:
         _enabled = False
-        cur = session.current()
+        cur = running.session()
         if cur is not None and cur.provisional is not None:
             # The script turned AMP off itself; its word beats the launcher's.
             log.info("amp_patch: the script called amp.initialize(enabled=False); mixed precision is off")
@@ -177,9 +178,10 @@ def initialize(
     if _amp_state.allow_incoming_model_not_fp32:
         overrides["allow_half_params"] = True
     _amp_state.verbosity = verbosity
-    out = _frontend.enter(
-        models, optimizers, opt_level, half_dtype, _edited_lists(opt_level, patch_torch_functions), verbosity,
-        dict(num_losses=num_losses, max_loss_scale=max_loss_scale, **overrides), apex_rules=True,
+    out = _frontend.initialize_as_apex(
+        models, optimizers, opt_level=opt_level, half_dtype=half_dtype,
+        lists=_edited_lists(opt_level, patch_torch_functions), verbosity=verbosity,
+        options=dict(num_losses=num_losses, max_loss_scale=max_loss_scale, **overrides),
     )
     _enabled = True
     return out
@@ -194,14 +196,14 @@ def _edited_lists(opt_level: Any, patch_torch_functions: Any) -> Any:
         return None
     try:
         extra = {} if patch_torch_functions is None else {"patch_torch_functions": patch_torch_functions}
-        patches = _properties.resolve(opt_level, "cpu", **extra).patch_torch_functions
+        patches = _parse(opt_level, "cpu", **extra).patch_torch_functions
     except ConfigError:
         return None  # the call itself reports the bad opt level
     if not patches:
         return None
     # under the launcher, its own op lists stay, and the script's edits come after them
-    running = session.current()
-    given = running.provisional.lists if running is not None and running.provisional is not None else None
+    cur = running.session()
+    given = cur.provisional.lists if cur is not None and cur.provisional is not None else None
     if given is None:
         return edits
     return (list(given) if isinstance(given, (list, tuple)) else [given]) + [edits]
@@ -249,7 +251,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 
         torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
     """
-    if session.current() is None:
+    if running.session() is None:
         # Before initialize, or with enabled=False: Apex yields the
         # optimizer's own parameters.
         return (p for group in optimizer.param_groups for p in group["params"])

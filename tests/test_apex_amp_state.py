@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import AmpWarning, CastError, ConfigError, StateError, amp, session
+from amp_patch import AmpWarning, CastError, ConfigError, StateError, amp
+from amp_patch.base import running
 from helpers import Snapshot, batch, mlp, sgd
 
 f16 = torch.float16
@@ -51,10 +52,10 @@ def test_loss_scalers_are_a_live_view_that_scripts_can_set():
         assert scaled.item() == pytest.approx(loss.item() * 2**12, rel=1e-6)
         scaled.backward()
     opt.step()
-    assert session.current().run.scalers[0].scale == 2.0**12
+    assert running.session().run.scalers[0].scale == 2.0**12
     assert amp._amp_state.loss_scalers[0]._unskipped == 1  # one clean step towards growth
     amp._amp_state.loss_scalers[0]._unskipped = 0
-    assert session.current().run.scalers[0].growth_tracker == 0
+    assert running.session().run.scalers[0].growth_tracker == 0
     with pytest.raises(ValueError, match="finite number > 0"):
         scaler._loss_scale = 0
     amp_patch.deinitialize()
@@ -180,7 +181,7 @@ def test_a_later_call_with_more_losses_restarts_the_scalers_as_apex_did():
     with amp.scale_loss(F.mse_loss(ga(x), y), oa) as scaled:
         scaled.backward()
     oa.step()
-    assert session.current().models == [ga, gb]
+    assert running.session().models == [ga, gb]
     amp_patch.deinitialize()
 
 
@@ -198,10 +199,10 @@ def test_passing_the_same_model_again_leaves_it_as_it_is():
 def test_a_bad_later_call_leaves_the_earlier_run_as_it_was():
     model = mlp(4, 8, 1)
     model, opt = fp16_o1(model, sgd(model))
-    run = session.current()
+    run = running.session()
     with pytest.raises(ConfigError, match="O9"):
         amp.initialize(mlp(4, 8, 1), None, opt_level="O9", verbosity=0)
-    assert session.current() is run and run.props.opt_level == "O1"
+    assert running.session() is run and run.config.opt_level == "O1"
     amp_patch.deinitialize()
 
 
@@ -211,7 +212,7 @@ def test_amp_patchs_own_initialize_refuses_more_losses_at_that_call():
     ob = sgd(mb)
     with pytest.raises(ConfigError, match=r"num_losses=3 \(running: 1\)"):
         amp_patch.initialize(mb, ob, opt_level="O1", half_dtype=f16, verbosity=0, num_losses=3)
-    assert session.current().models == [ma] and len(session.current().run.scalers if session.current().run else [0]) == 1
+    assert running.session().models == [ma] and len(running.session().run.scalers if running.session().run else [0]) == 1
     amp_patch.deinitialize()
 
 

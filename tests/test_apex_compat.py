@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import ConfigError, session, amp
+from amp_patch import ConfigError, amp
+from amp_patch.base import running
 from amp_patch.frontends import alias
 from helpers import unannotated
 
@@ -117,7 +118,7 @@ def test_apex_property_overrides_reach_amp_patch(net):
     try:
         out = amp.initialize(model, opt, opt_level="o1", loss_scale="128.0", patch_torch_functions="True", verbosity=0)
         assert out == (model, opt)
-        props = session.current().props
+        props = running.session().config
         assert props.opt_level == "O1" and props.loss_scale == 128.0 and props.patch_torch_functions
     finally:
         amp_patch.deinitialize()

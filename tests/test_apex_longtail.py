@@ -15,7 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import amp, session
+from amp_patch import amp
+from amp_patch.base import running
+from amp_patch.run.session import Provisional
 from amp_patch.apex import amp_C, apex_C, fused_adam_cuda, fused_layer_norm_cuda, fused_weight_gradient_mlp_cuda
 from amp_patch.apex import xentropy_cuda
 from amp_patch.apex.contrib.clip_grad import clip_grad_norm_
@@ -649,7 +651,7 @@ def test_loss_scaler_overflow_buf_update_scale_and_scale_seq_len():
 
 
 def _table():
-    return {k: e.policy for k, e in session.current().table.items()}
+    return {k: e.policy for k, e in running.session().table.items()}
 
 
 def test_edits_of_apex_lists_are_the_yaml_override(tmp_path):
@@ -688,7 +690,7 @@ def test_edits_of_apex_lists_come_after_the_launchers_lists(tmp_path):
     launcher_lists.write_text("torch.nn.functional:\n  half: [softplus]\n")
     amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.float16, lists=str(launcher_lists),
                          verbosity=0)
-    session.current().provisional = session.Provisional(torch.float16, str(launcher_lists), None)  # as the launcher
+    running.session().provisional = Provisional(torch.float16, str(launcher_lists), None)  # as the launcher
     fo = amp.lists.functional_overrides
     try:
         fo.FP32_FUNCS.remove("softmax")

@@ -90,7 +90,7 @@ ROWS = [
     ("o2-without-a-model", lambda m: amp_patch.initialize(None, None, "O2"),
      ConfigError, r"opt_level='O2' casts the model, so initialize needs the model"),
     ("negative-loss-scale", lambda m: amp_patch.initialize(m, _sgd(m), "O1", loss_scale=-1),
-     ConfigError, r"loss_scale=-1 must be 'dynamic' or a positive, finite number"),
+     ConfigError, r"loss_scale=-1 is not a loss scale; use 'dynamic' or a positive, finite number"),
     ("growth-factor-not-above-1", lambda m: amp_patch.initialize(m, _sgd(m), "O1", half_dtype=f16, growth_factor=1.0),
      ValueError, r"growth_factor=1\.0 must be > 1"),
     ("backoff-outside-0-1", lambda m: amp_patch.initialize(m, _sgd(m), "O1", half_dtype=f16, backoff_factor=1.5),
@@ -187,9 +187,9 @@ def test_scale_loss_with_an_optimizer_initialize_never_saw():
 
 
 def _first_optimizer():
-    from amp_patch import session
+    from amp_patch.base import running
 
-    return session.current().optimizers[0]
+    return running.session().optimizers[0]
 
 
 def test_deinitialize_inside_scale_loss_is_refused_then_works_after_the_block():

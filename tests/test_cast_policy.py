@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch.errors import ConfigError
+from amp_patch.base.errors import ConfigError
 from amp_patch.patching import costs, wrappers
 from helpers import amp
 

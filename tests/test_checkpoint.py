@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import amp_patch
-from amp_patch.errors import StateError
+from amp_patch.base.errors import StateError
 from helpers import amp
 
 bf16, f32 = torch.bfloat16, torch.float32

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import amp, session
+from amp_patch import amp
+from amp_patch.base import running
 from helpers import batch, mlp, sgd
 
 pytestmark = pytest.mark.quick  # every test here is fast
@@ -92,7 +93,7 @@ def test_counters_and_report_after_deinitialize_are_the_last_runs():
     assert str(amp_patch.report()) == text and "loss 0: 3 steps, 0 skipped; scale 65536 now" in text
     amp_patch.counters()["steps"] = 99  # a copy: the kept figures do not change
     assert amp_patch.counters()["steps"] == 3
-    assert session.current() is None
+    assert running.session() is None
 
     other = mlp(4, 8, 1)
     other, opt = amp_patch.initialize(other, sgd(other), opt_level="O1", half_dtype=bf16, verbosity=0)

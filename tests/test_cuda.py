@@ -101,9 +101,9 @@ def test_cached_weight_and_inplace_rules_on_cuda():
     x = torch.randn(8, 8, device="cuda")
     amp_patch.initialize(None, None, "O1", half_dtype="float16", verbosity=0)
     try:
-        from amp_patch import session
+        from amp_patch.base import running
 
-        cache = session.current().cache
+        cache = running.session().cache
         a, b = torch.mm(x, w), torch.mm(x, w)
         assert (cache.misses, cache.hits) == (1, 1) and torch.equal(a, b)
         with torch.no_grad():

@@ -11,11 +11,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import session, diagnostics
-from amp_patch.patching import modes
+from amp_patch import diagnostics
+from amp_patch.base import running
+from amp_patch.diagnostics import modes
 from amp_patch.diagnostics import AmpWarning
-from amp_patch.errors import StateError
-from amp_patch.properties import resolve
+from amp_patch.base.errors import StateError
+from amp_patch.config import parse
 
 f16, bf16 = torch.float16, torch.bfloat16
 
@@ -79,7 +80,7 @@ def test_bf16_on_a_cpu_with_native_bf16_is_quiet(monkeypatch):
 
 
 def test_o0_never_warns_about_speed():
-    props = resolve("O0", "cpu", f16)
+    props = parse("O0", "cpu", half_dtype=f16)
     assert diagnostics.setup_checks.speed_warnings(props, "cpu", native_bf16=False) == []
 
 
@@ -92,7 +93,7 @@ def test_verbosity_0_is_silent():
 
 
 def test_fp16_over_bf16_weights_on_a_bf16_gpu():
-    props = resolve("O1", "cuda", f16)
+    props = parse("O1", "cuda", half_dtype=f16)
     bf16_model = nn.Linear(4, 4).to(bf16)
     msgs = diagnostics.setup_checks.bf16_weights_warnings(props, "cuda", True, [nn.Linear(2, 2), bf16_model])
     assert msgs == [
@@ -101,13 +102,13 @@ def test_fp16_over_bf16_weights_on_a_bf16_gpu():
         "Use half_dtype=torch.bfloat16 (or opt_level='O4' / 'O5')."
     ]
     assert diagnostics.setup_checks.bf16_weights_warnings(props, "cuda", False, [bf16_model]) == []  # no BF16 on this GPU
-    assert diagnostics.setup_checks.bf16_weights_warnings(resolve("O1", "cuda", bf16), "cuda", True, [bf16_model]) == []
+    assert diagnostics.setup_checks.bf16_weights_warnings(parse("O1", "cuda", half_dtype=bf16), "cuda", True, [bf16_model]) == []
 
 
 def test_a_model_on_several_devices():
     model = nn.Linear(4, 4)
     model.register_buffer("scale", torch.ones(1, device="meta"))
-    msgs = diagnostics.setup_checks.device_warnings(resolve("O1", "cpu", None), [nn.Linear(2, 2), model])
+    msgs = diagnostics.setup_checks.device_warnings(parse("O1", "cpu", half_dtype=None), [nn.Linear(2, 2), model])
     assert len(msgs) == 1
     assert msgs[0].startswith("amp_patch: model 1 (Linear) has tensors on several devices (cpu, meta)")
 
@@ -200,7 +201,7 @@ def test_functions_captured_before_initialize_are_named(tmp_path, monkeypatch):
 
     try:
         msgs, _ = _init_and_collect(nn.Linear(4, 4), opt_level="O1", half_dtype=bf16)
-        amp = session.current()
+        amp = running.session()
         assert not amp.patcher.is_patched(F, "dropout")
         found = diagnostics.setup_checks.captured_functions(amp)
     finally:
@@ -271,7 +272,7 @@ def fp16_run(request):
     model = _one_layer(*request.param)
     amp_patch.initialize(model, opt_level="O1", half_dtype=f16, find_overflow=True, verbosity=0)
     scaler = _Scaler()
-    amp = session.current()
+    amp = running.session()
     amp.scalers.append(scaler)
     try:
         yield model, amp, scaler
@@ -331,10 +332,10 @@ def _provenance_of_one_step(model, x, level):
     amp_patch.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, half_dtype=f16,
                          find_overflow=True, verbosity=0)
     scaler = _Scaler()
-    session.current().scalers.append(scaler)
+    running.session().scalers.append(scaler)
     try:
         model(x).float().sum().backward()
-        return _skip(session.current(), scaler)[0]
+        return _skip(running.session(), scaler)[0]
     finally:
         amp_patch.deinitialize()
 
@@ -436,7 +437,7 @@ def test_find_overflow_arms_one_step_then_disarms():
     model = _one_layer(3000.0)
     amp_patch.initialize(model, opt_level="O1", half_dtype=f16, verbosity=0)
     try:
-        amp = session.current()
+        amp = running.session()
         scaler = _Scaler()
         amp.scalers.append(scaler)
         # Not armed: a skipped step is only logged.
@@ -468,7 +469,7 @@ def test_find_overflow_true_stays_armed_and_deinitialize_removes_it():
     model = _one_layer(3000.0)
     amp_patch.initialize(model, opt_level="O1", half_dtype=f16, find_overflow=True, verbosity=0)
     try:
-        amp = session.current()
+        amp = running.session()
         scaler = _Scaler()
         amp.scalers.append(scaler)
         for step in range(2):
@@ -488,7 +489,7 @@ def test_find_overflow_works_at_o2_style_half_models_too():
     amp_patch.initialize(model, opt_level="O1", half_dtype=f16, patch_torch_functions=False,
                          find_overflow=True, verbosity=0)
     try:
-        amp = session.current()
+        amp = running.session()
         scaler = _Scaler()
         amp.scalers.append(scaler)
         model(torch.full((2, 8), 10.0, dtype=f16))
@@ -527,7 +528,7 @@ def test_a_step_the_loss_scaler_skips_is_explained():
 
 def test_wrapt_without_its_c_extension_warns_where_functions_are_patched(monkeypatch):
     monkeypatch.delenv("WRAPT_DISABLE_EXTENSIONS", raising=False)
-    o1, o2 = resolve("O1", "cpu", None), resolve("O2", "cpu", None)
+    o1, o2 = parse("O1", "cpu", half_dtype=None), parse("O2", "cpu", half_dtype=None)
     assert diagnostics.setup_checks.wrapt_has_c_extension()  # this environment's wrapt has it
     assert diagnostics.setup_checks.wrapper_warnings(o1, c_extension=True) == []
     assert diagnostics.setup_checks.wrapper_warnings(o2, c_extension=False) == []  # O2 patches no torch function

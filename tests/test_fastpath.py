@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import wrapt
 
 import amp_patch
-from amp_patch import session
+from amp_patch.base import running
 from amp_patch.patching import wrappers
 from helpers import HAS_C_COMPILER, amp, fast_path
 
@@ -161,7 +161,7 @@ def test_disable_casts_and_a_finished_session_call_straight_through(o4):
 def test_weights_are_cast_once_through_the_cache(o4):
     t = make()
     w = torch.nn.Parameter(t["y"])
-    cache = session.current().cache
+    cache = running.session().cache
     hits, misses = cache.hits, cache.misses
     outs = [torch.mm(t["x"], w) for _ in range(3)]
     assert (cache.misses - misses, cache.hits - hits) == (1, 2)
@@ -180,7 +180,7 @@ def test_a_cached_weight_copy_is_served_only_while_it_is_valid(o4):
     in the other grad mode; every result equals the op on the weight cast now."""
     t = make()
     w = torch.nn.Parameter(t["y"].clone())
-    cache = session.current().cache
+    cache = running.session().cache
 
     def check(expect_hit: bool) -> torch.Tensor:
         hits = cache.hits
@@ -269,7 +269,7 @@ def test_no_reference_is_leaked_per_call(o4):
              lambda: t["x"].mm(t["y"])]
     for call in calls:
         call()
-    cached = session.current().cache._maps[True][id(w)][4]  # w's BF16 copy, returned by every cache hit
+    cached = running.session().cache._maps[True][id(w)][4]  # w's BF16 copy, returned by every cache hit
     watched = (t["x"], t["y"], t["xb"], t["yb"], w, cached, bf16, f32)
     before = [sys.getrefcount(o) for o in watched]
     for _ in range(1000):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import amp_patch
 from amp_patch.precision import fused, kernel
-from amp_patch.errors import ConfigError
+from amp_patch.base.errors import ConfigError
 import helpers
 from helpers import amp, mlp
 
@@ -138,7 +138,7 @@ def test_adamw_trains_on_the_true_gradients_the_backward_left_in_the_masters():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with amp(model, opt, "O5", fused_update=True) as (model, opt):
         losses = [train_step(model, opt, i % 2).item() for i in range(30)]
-        mw = amp_patch.session.current().optimizer_handles[id(opt)].masters
+        mw = amp_patch.base.running.session().optimizer_handles[id(opt)].masters
         assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in mw.masters)
         assert all(p.grad is None for p in mw.halfs)  # moved into the masters as the backward ended
         assert fused_steps() == 29

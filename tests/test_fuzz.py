@@ -78,7 +78,7 @@ def overrides(draw):
 @given(case=overrides(), half=st.sampled_from([torch.float16, torch.bfloat16]))
 def test_random_op_list_overrides(case, half):
     doc, valid = case
-    from amp_patch import session
+    from amp_patch.base import running
 
     if not valid:
         with pytest.raises(ListError):
@@ -87,7 +87,7 @@ def test_random_op_list_overrides(case, half):
         return
     amp_patch.initialize(None, None, "O1", half_dtype=half, lists=doc, verbosity=0)
     try:
-        amp = session.current()
+        amp = running.session()
         for ns, body in doc.items():
             owner = NAMESPACES[ns]
             placed = {n: pol for pol, names in body.items() if pol != "remove" for n in names}
@@ -158,13 +158,13 @@ class Sessions(RuleBasedStateMachine):
             self.model, self.opt = amp_patch.initialize(self.model, self.opt, level, half_dtype=half, verbosity=0)
             self.level = level
             return
-        from amp_patch import session
+        from amp_patch.base import running
 
-        amp = session.current()
+        amp = running.session()
         n = len(amp.patcher)
         with pytest.raises(ConfigError, match="already (initialized|attached)"):
             amp_patch.initialize(self.model, self.opt, level, half_dtype=half, verbosity=0)
-        assert len(amp.patcher) == n and session.current() is amp
+        assert len(amp.patcher) == n and running.session() is amp
 
     @rule()
     def deinitialize(self):
@@ -209,9 +209,9 @@ class Sessions(RuleBasedStateMachine):
 
     @invariant()
     def torch_is_patched_once_or_not_at_all(self):
-        from amp_patch import session
+        from amp_patch.base import running
 
-        amp = session.current()
+        amp = running.session()
         assert (amp is None) == (self.level is None)
         if amp is None:
             assert SNAPSHOT.changed() == []
@@ -223,7 +223,7 @@ class Sessions(RuleBasedStateMachine):
             for (ns, n) in amp.table:
                 current = getattr(NAMESPACES[ns], n)
                 assert current is not ORIGINAL[(ns, n)] and current.__wrapped__ is ORIGINAL[(ns, n)], (ns, n)
-        assert len({(id(r.owner), r.name) for r in amp.patcher._records}) == len(amp.patcher)
+        assert len({(id(r.owner), r.name) for r in amp.patcher._index.values()}) == len(amp.patcher)
         assert all(torch.isfinite(p).all() for p in self.model.parameters())
 
     def teardown(self):

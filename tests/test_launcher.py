@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import ConfigError, ListError, frontend, session
+from amp_patch import ConfigError, ListError, frontend
+from amp_patch.base import running
 from amp_patch.frontends import launcher
 from amp_patch.frontends.launcher import Launch, OptimizerHook, Settings, owning_model
 from helpers import Snapshot, destroy_process_group, write
@@ -280,14 +281,14 @@ def test_session_refuses_to_start_when_already_initialized():
 TRAIN = """
     import torch, torch.nn as nn, torch.nn.functional as F
     import amp_patch
-    from amp_patch import session
+    from amp_patch.base import running
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    launcher_state = session.current()
+    launcher_state = running.session()
     launcher_patches = len(launcher_state.patcher) if launcher_state else 0
     {own}
-    state = session.current()
+    state = running.session()
     patches = len(state.patcher) if state else 0
     out = model(torch.randn(3, 4))
     loss = F.cross_entropy(out.float(), torch.tensor([0, 1, 0]))
@@ -301,7 +302,7 @@ def test_o1_adopts_every_optimizer_the_script_builds(tmp_path, adopted):
     script = write(tmp_path, "train.py", TRAIN.format(own=""))
     out = launcher.run(str(script), [], Settings.resolve(opt_level="O1"))
     assert out["out"].dtype == torch.float32  # the model's outputs come back in FP32
-    assert out["state"].props.half_dtype == torch.bfloat16  # CPU default half dtype
+    assert out["state"].config.half_dtype == torch.bfloat16  # CPU default half dtype
     assert adopted == [out["optimizer"], out["later"]]
     assert out["state"] is out["launcher_state"]
 
@@ -327,7 +328,7 @@ def test_the_scripts_own_initialize_wins_without_double_patching(tmp_path, adopt
     out = launcher.run(str(script), [], Settings.resolve(opt_level="O1", half_dtype="float16"))
     state = out["state"]
     assert state is not out["launcher_state"] and getattr(state, "provisional", None) is None
-    assert state.props.half_dtype == torch.float16  # the launcher's flag carries over
+    assert state.config.half_dtype == torch.float16  # the launcher's flag carries over
     assert out["patches"] == out["launcher_patches"]  # replaced, not patched on top
     assert out["out"].dtype == torch.float32  # the launcher's --outputs default carries over too
     # The launcher stepped aside: the optimizer built after the script's call is the script's business.
@@ -339,7 +340,7 @@ def test_the_scripts_own_opt_level_wins(tmp_path, adopted):
     own = "model, optimizer = amp_patch.initialize(model, optimizer, opt_level='O4', verbosity=0)"
     script = write(tmp_path, "train.py", TRAIN.format(own=own))
     out = launcher.run(str(script), [], Settings.resolve(opt_level="O1", half_dtype="float16"))
-    assert out["state"].props.opt_level == "O4"
+    assert out["state"].config.opt_level == "O4"
 
 
 def test_apex_enabled_false_in_the_script_turns_the_launcher_off(tmp_path, adopted):
@@ -354,7 +355,7 @@ def test_o2_attaches_to_the_first_model_optimizer_pair(tmp_path, adopted):
     body = TRAIN.format(own="").replace("later = torch.optim.Adam(model.parameters())", "")
     script = write(tmp_path, "train2.py", body + "    weight_dtype = model[0].weight.dtype\n")
     out = launcher.run(str(script), [], Settings.resolve(opt_level="O2"))
-    assert out["state"] is out["launcher_state"] and out["state"].props.opt_level == "O2"
+    assert out["state"] is out["launcher_state"] and out["state"].config.opt_level == "O2"
     assert out["weight_dtype"] == torch.bfloat16
     assert out["out"].dtype == torch.float32  # cast_model_outputs: FP32 out of the half model
     assert not amp_patch.is_initialized()
@@ -376,8 +377,8 @@ def test_import_auto_enables_amp_from_the_environment(monkeypatch, adopted):
     monkeypatch.delitem(sys.modules, "amp_patch.auto", raising=False)
     auto = importlib.import_module("amp_patch.auto")
     try:
-        state = session.current()
-        assert state.props.opt_level == "O4" and state.props.half_dtype == torch.bfloat16
+        state = running.session()
+        assert state.config.opt_level == "O4" and state.config.half_dtype == torch.bfloat16
         assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.bfloat16
         opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
         assert adopted == [opt]

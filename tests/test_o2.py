@@ -12,7 +12,7 @@ from torch import nn
 
 import amp_patch
 import helpers
-from amp_patch.errors import ConfigError
+from amp_patch.base.errors import ConfigError
 from helpers import amp, destroy_process_group
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32

@@ -113,7 +113,9 @@ def test_a_checkout_on_pythonpath_without_installing_finds_the_lists(tmp_path):
 
 
 def _package_imports():
-    """``{module: {module it imports}}`` over amp_patch, and the imports made inside functions."""
+    """``{module: {module it imports at run time}}`` over amp_patch, and the
+    imports made inside functions. Imports under ``if TYPE_CHECKING:`` name
+    types for readers and run never, so they are no edges."""
     import ast
 
     root = ROOT / "amp_patch"
@@ -128,9 +130,11 @@ def _package_imports():
         tree = ast.parse(path.read_text())
         in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                        for n in ast.walk(f)}
+        typing_only = {id(n) for f in ast.walk(tree) if isinstance(f, ast.If) and "TYPE_CHECKING" in ast.unparse(f.test)
+                       for n in ast.walk(f)}
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom):
+            if not isinstance(node, ast.ImportFrom) or id(node) in typing_only:
                 continue
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
@@ -171,21 +175,53 @@ def _cycle(graph):
     return None
 
 
+#: the package's floors, lowest first: a module imports only from its own floor or lower ones
+FLOORS = [
+    {"base"},  # exceptions, the undo stack, the running-session slot, frames
+    {"config"},  # AmpConfig and the opt-level presets
+    {"oplists", "patching", "diagnostics", "precision", "scaling"},  # the mechanisms
+    {"run"},  # the session and initialize's plan
+    {"face"},  # the root's public modules: frontend, amp, auto
+    {"apex", "frontends"},  # Apex's API and the launcher, built on the public face
+]
+#: root modules that may stand anywhere: the package's re-exports and ``python -m``
+ENTRY_POINTS = {"amp_patch", "amp_patch.__main__"}
+
+
+def _group(mod):
+    parts = mod.split(".")
+    if len(parts) > 1 and (ROOT / "amp_patch" / parts[1]).is_dir():
+        return parts[1]
+    return "face"
+
+
 def test_imports_inside_the_package_go_one_way():
     edges, inside = _package_imports()
     assert not inside, f"imports inside functions: {inside}"
     assert _cycle(edges) is None, f"an import cycle between modules: {_cycle(edges)}"
 
-    def group(mod):
-        parts = mod.split(".")
-        return parts[1] if len(parts) > 1 and (ROOT / "amp_patch" / parts[1]).is_dir() else "core"
-
     between = {}
     for a, targets in edges.items():
         for b in targets:
-            if group(a) != group(b) and group(a) != "core":
-                between.setdefault(group(a), set()).add(group(b))
+            if _group(a) != _group(b) and a not in ENTRY_POINTS:
+                between.setdefault(_group(a), set()).add(_group(b))
     assert _cycle(between) is None, f"an import cycle between subpackages: {_cycle(between)}"
+
+
+def test_each_floor_imports_only_from_itself_and_below():
+    edges, _ = _package_imports()
+    floor = {g: i for i, gs in enumerate(FLOORS) for g in gs}
+    groups = {_group(m) for m in edges}
+    assert groups <= set(floor), f"a subpackage with no floor: {groups - set(floor)}; add it to FLOORS"
+    upward = sorted(f"{a} -> {b}" for a, targets in edges.items() if a not in ENTRY_POINTS
+                    for b in targets if floor[_group(b)] > floor[_group(a)])
+    assert upward == []
+
+
+def test_the_root_holds_only_the_public_face():
+    root = {p.stem for p in (ROOT / "amp_patch").glob("*.py")}
+    # frontend: initialize and the rest; amp: Apex's API (apex.amp); auto: `import amp_patch.auto`
+    assert root == {"__init__", "__main__", "frontend", "amp", "auto"}
 
 
 def test_importing_amp_patch_does_not_import_dynamo():
@@ -207,7 +243,7 @@ def test_the_shipped_lists_are_parsed_once_per_process():
 @pytest.mark.slow
 def test_the_quick_run_reaches_every_subpackage(tmp_path):
     """``python -m pytest -q -m quick`` (the README's quick local run) runs code
-    of every subpackage of amp_patch and of its core modules (the shipped lists
+    of every subpackage of amp_patch and of its public face (the shipped lists
     are data, which oplists' code loads)."""
     out = tmp_path / "ran.txt"
     env = dict(os.environ, AMP_PATCH_TRACE_OUT=str(out),
@@ -217,9 +253,9 @@ def test_the_quick_run_reaches_every_subpackage(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ran = {Path(p).resolve() for p in out.read_text().split()}
     package = ROOT / "amp_patch"
-    reached = {p.relative_to(package).parts[0] if len(p.relative_to(package).parts) > 1 else "core"
+    reached = {p.relative_to(package).parts[0] if len(p.relative_to(package).parts) > 1 else "face"
                for p in ran if package in p.parents}
-    subpackages = {d.name for d in package.iterdir() if (d / "__init__.py").exists()} | {"core"}
+    subpackages = {d.name for d in package.iterdir() if (d / "__init__.py").exists()} | {"face"}
     assert subpackages - reached == set()
     nested = {d.relative_to(package).as_posix() for d in package.glob("*/*") if (d / "__init__.py").exists()}
     assert {n for n in nested if not any(package / n in p.parents for p in ran)} == set()  # apex.parallel, apex.fp16_utils

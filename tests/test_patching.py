@@ -355,9 +355,9 @@ def test_weight_cast_cache_hits_and_invalidates_on_inplace_edit():
     x = torch.randn(2, 4)
     amp_patch.initialize(lin, None, "O1", half_dtype="bfloat16")
     try:
-        from amp_patch import session
+        from amp_patch.base import running
 
-        cache = session.current().cache
+        cache = running.session().cache
         lin(x)
         lin(x)
         assert cache.hits >= 2 and len(cache) == 2  # weight and bias cast once
@@ -378,9 +378,9 @@ def test_cache_is_emptied_after_backward_and_does_not_grow():
     opt = torch.optim.SGD(lin.parameters(), lr=0.01)
     amp_patch.initialize(lin, opt, "O1", half_dtype="bfloat16")
     try:
-        from amp_patch import session
+        from amp_patch.base import running
 
-        cache = session.current().cache
+        cache = running.session().cache
         for _ in range(50):
             opt.zero_grad()
             lin(torch.randn(2, 4)).float().sum().backward()
@@ -400,9 +400,9 @@ def test_half_weight_copies_are_freed_as_the_backward_releases_them():
     lin = nn.Linear(4, 4)
     amp_patch.initialize(lin, None, "O1", half_dtype="bfloat16")
     try:
-        from amp_patch import session
+        from amp_patch.base import running
 
-        cache = session.current().cache
+        cache = running.session().cache
         out = lin(torch.randn(2, 4))
         copies = [weakref.ref(entry[4]) for entry in cache._maps[1].values()]
         assert len(copies) == 2  # weight and bias
@@ -435,9 +435,9 @@ def test_second_initialize_adds_models_without_stacking_wrappers():
         linear_once = F.linear
         amp_patch.initialize(b, None, "O1", half_dtype="float16")
         assert F.linear is linear_once
-        from amp_patch import session
+        from amp_patch.base import running
 
-        assert session.current().models == [a, b]
+        assert running.session().models == [a, b]
         with pytest.raises(ConfigError, match="already initialized with opt_level='O1'.*deinitialize"):
             amp_patch.initialize(nn.Linear(2, 2), None, "O4")
         with pytest.raises(ConfigError, match="already initialized"):
@@ -484,20 +484,20 @@ def test_meta_model_is_refused():
 
 @pytest.mark.quick
 def test_failure_half_way_through_patching_undoes_everything(monkeypatch):
-    from amp_patch import frontend
+    from amp_patch.run import plan
 
     before = Snapshot()
-    real = frontend._patch_items
+    real = plan.patch_items
 
-    def items_then_boom(amp):
-        items = real(amp)
+    def items_then_boom(amp, registrations):
+        items = real(amp, registrations)
 
         def boom(original):
             raise RuntimeError("boom")
 
         return items[:50] + [(torch, "relu", boom)] + items[50:]
 
-    monkeypatch.setattr(frontend, "_patch_items", items_then_boom)
+    monkeypatch.setattr(plan, "patch_items", items_then_boom)
     with pytest.raises(RuntimeError, match="boom"):
         amp_patch.initialize(None, None, "O1")
     monkeypatch.undo()

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_patch
-from amp_patch import scaling, session
-from amp_patch.errors import ConfigError, OverflowLoopError, StateError
+from amp_patch import scaling
+from amp_patch.base import running
+from amp_patch.base.errors import ConfigError, OverflowLoopError, StateError
 from helpers import amp, batch, destroy_process_group
 
 FP16 = dict(half_dtype=torch.float16, verbosity=0)
@@ -666,7 +667,7 @@ def test_each_optimizer_moves_through_the_documented_stages_and_an_illegal_move_
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp_patch.initialize(model, opt, "O1", half_dtype=torch.float16, loss_scale=128.0, verbosity=0)
     try:
-        h = amp_patch.session.current().optimizer_handles[id(opt)]
+        h = amp_patch.base.running.session().optimizer_handles[id(opt)]
         assert h.stage is Stage.READY
         x = torch.randn(3, 4)
         model(x).float().sum().backward()

@@ -49,7 +49,7 @@ def _wrappers():
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_ten_thousand_o1_steps_with_flat_memory(half):
-    from amp_patch import session
+    from amp_patch.base import running
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -62,7 +62,7 @@ def test_ten_thousand_o1_steps_with_flat_memory(half):
     gc.collect()
     wrappers_before = _wrappers()
     model, opt = amp_patch.initialize(model, opt, "O1", half_dtype=half, verbosity=0)
-    amp = session.current()
+    amp = running.session()
     cache, patches = amp.cache, len(amp.patcher)
     scaler = amp.scalers[0]
     marks = {}

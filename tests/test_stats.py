@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 import amp_patch
 from helpers import batch
-from amp_patch import session
-from amp_patch.patching import modes
+from amp_patch.base import running
+from amp_patch.diagnostics import modes
 from amp_patch import AmpWarning
-from amp_patch.errors import StateError
+from amp_patch.base.errors import StateError
 
 B, D_IN, D_OUT = 4, 8, 4
 HERE = __file__
@@ -199,7 +199,7 @@ def test_stats_off_costs_nothing():
     model = Net()
     amp_patch.initialize(model, opt_level="O1", verbosity=0)
     try:
-        assert session.current().ledger is None
+        assert running.session().ledger is None
         model(torch.randn(B, D_IN))
         # no watching mode, no observer: the patched ops run as without stats
         assert torch._C._len_torch_function_stack() == 0
@@ -273,7 +273,7 @@ class _Scaler:
 
 
 def test_report_summarises_each_scalers_history(amp_run):
-    amp = session.current()
+    amp = running.session()
     hist = [(0, 65536.0, True), (1, 32768.0, True), (2, 16384.0, False), (3, 16384.0, False)]
     amp.scalers.append(_Scaler(hist, loss_id=7))
     try:
@@ -288,7 +288,7 @@ def test_report_summarises_each_scalers_history(amp_run):
 
 
 def test_the_summary_range_includes_the_scale_after_the_last_step(amp_run):
-    amp = session.current()
+    amp = running.session()
     scaler = _Scaler([(0, 65536.0, True)], loss_id=8)
     scaler.scale = 32768.0  # backed off by the skipped step
     amp.scalers.append(scaler)
@@ -302,7 +302,7 @@ def test_the_summary_range_includes_the_scale_after_the_last_step(amp_run):
 
 
 def test_history_is_read_defensively(amp_run):
-    amp = session.current()
+    amp = running.session()
 
     class Entry:
         step, scale, skipped = 5, 8.0, True
@@ -320,7 +320,7 @@ def test_history_is_read_defensively(amp_run):
 
 def test_plot_writes_a_png(amp_run, tmp_path):
     pytest.importorskip("matplotlib")
-    amp = session.current()
+    amp = running.session()
     amp.scalers.append(_Scaler([(i, 2.0 ** (16 - (i < 3) * i), i < 3) for i in range(10)]))
     try:
         out = amp_patch.plot(tmp_path / "scale.png")

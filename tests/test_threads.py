@@ -511,17 +511,17 @@ def test_deinitialize_waits_for_a_forward_in_flight_so_it_ends_in_one_precision(
 
 
 def test_a_forward_that_starts_while_deinitialize_runs_waits_and_runs_unpatched(monkeypatch):
-    from amp_patch import inflight
+    from amp_patch.run import flight as inflight
 
     model = _gated()
     amp_patch.initialize(model, None, "O1", half_dtype=torch.bfloat16, verbosity=0)
-    flight = amp_patch.session.current().flight
+    flight = amp_patch.base.running.session().flight
     out = []
     with flight.hold("test"):
         trainer, errors = _in_thread(lambda: out.append(model(torch.randn(4, 8))))
         trainer.join(0.3)
         assert trainer.is_alive() and not out  # held at the model's forward pre-hook
-        amp_patch.session.current().end()  # what deinitialize does inside its hold
+        amp_patch.base.running.session().end()  # what deinitialize does inside its hold
     trainer.join(TIMEOUT)
     assert not errors, errors
     assert out[0].dtype == torch.float32
@@ -530,7 +530,7 @@ def test_a_forward_that_starts_while_deinitialize_runs_waits_and_runs_unpatched(
 
 
 def test_deinitialize_gives_up_naming_the_busy_thread_and_changes_nothing(monkeypatch):
-    from amp_patch import inflight
+    from amp_patch.run import flight as inflight
 
     monkeypatch.setattr(inflight, "WAIT_SECONDS", 0.2)
     model = _gated()

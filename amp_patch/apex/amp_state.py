@@ -20,7 +20,8 @@ from typing import Any, ContextManager, Iterator, List
 
 import torch
 
-from .. import frontend, session
+from .. import frontend
+from ..base import running
 from ..scaling import master_params as _masters
 from ..scaling import state as scaling_state
 
@@ -30,7 +31,7 @@ __all__ = ["AmpState", "Properties", "ScalerView", "master_params", "maybe_print
 
 
 def _running(what: str) -> Any:
-    amp = session.current()
+    amp = running.session()
     if amp is None:
         # AttributeError keeps Apex's `hasattr(_amp_state, "loss_scalers")` test working
         raise AttributeError(
@@ -190,8 +191,7 @@ class Properties:
         if name == "enabled":
             return True
         if name in self.NAMES:
-            props = _running("opt_properties").props
-            return getattr(props, name)
+            return getattr(_running("opt_properties").config, name)
         raise AttributeError(f"'Properties' object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -219,7 +219,7 @@ class Handle:
 
     def _session(self) -> Any:
         """The handle's session while it runs, else None."""
-        amp = session.current()
+        amp = running.session()
         return amp if self._amp is None or amp is self._amp else None
 
     def is_active(self) -> bool:
@@ -229,7 +229,7 @@ class Handle:
     def _deactivate(self) -> None:
         amp = self._session()
         if amp is not None:
-            amp.patcher.undo()
+            amp.unpatch_functions()
 
     def _disable_casts(self) -> ContextManager[None]:
         return frontend.disable_casts()
@@ -244,7 +244,7 @@ class Handle:
     @property
     def verbose(self) -> bool:
         amp = self._session()
-        return amp is not None and amp.options.verbosity > 1
+        return amp is not None and amp.config.verbosity > 1
 
 
 class AmpState:
@@ -274,7 +274,7 @@ class AmpState:
     @property
     def handle(self) -> Handle:
         amp = _running("handle")
-        if not amp.props.patch_torch_functions:
+        if not amp.config.patch_torch_functions:
             raise AttributeError("_amp_state.handle: Apex makes the handle only at O1 (function patching)")
         return _HANDLE
 
@@ -294,7 +294,7 @@ _amp_state = AmpState()
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The parameters ``optimizer`` steps: FP32 masters under O2 (``apex.amp._amp_state.master_params``)."""
-    if session.current() is None:
+    if running.session() is None:
         return (p for group in optimizer.param_groups for p in group["params"])
     return _masters(optimizer)
 

@@ -20,8 +20,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .. import frontend, oplists, session
-from ..errors import ConfigError, StateError
+from .. import frontend, oplists
+from ..base import running
+from ..base.errors import ConfigError, StateError
 from ..scaling import scale_loss as _scale_loss
 from ..scaling import state as scaling_state
 from . import lists as apex_lists
@@ -79,8 +80,9 @@ def init(
     # the script's edits of Apex's lists (amp.lists), then allow_banned's override
     given = [o for o in (apex_lists.override(), _banned_as_float() if allow_banned else None) if o is not None]
     lists = given or None
-    frontend.enter(None, None, "O1", half_dtype, lists, 2 if verbose else _amp_state.verbosity, overrides, apex_rules=True)
-    return AmpHandle(session.current())
+    frontend.initialize_as_apex(None, None, opt_level="O1", half_dtype=half_dtype, lists=lists,
+                                verbosity=2 if verbose else _amp_state.verbosity, options=overrides)
+    return AmpHandle(running.session())
 
 
 class AmpHandle(Handle):

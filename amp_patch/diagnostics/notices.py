@@ -5,7 +5,7 @@ import sys
 import warnings
 from typing import Sequence
 
-from .. import frames
+from ..base import frames
 
 class AmpWarning(UserWarning):
     """A set-up amp_patch can run, but slower or otherwise than intended."""

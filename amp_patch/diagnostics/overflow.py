@@ -21,9 +21,9 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .. import session
-from ..errors import StateError
-from ..patching import modes
+from ..base import running
+from ..base.errors import StateError
+from . import modes
 from ..patching.wrappers import _GLOBALS as wrappers_globals, _tensors as wrappers_tensors
 from ..oplists import NAMESPACES, OPERATOR_FORMS
 from .notices import AmpWarning, stacklevel
@@ -315,7 +315,7 @@ class _OverflowWatch:
 
     def provenance(self, loss_id: int, step: Optional[int]) -> Provenance:
         e = self.event or {}
-        return Provenance(loss_id=loss_id, step=step, patching=bool(self.amp.props.patch_torch_functions), **e)
+        return Provenance(loss_id=loss_id, step=step, patching=bool(self.amp.config.patch_torch_functions), **e)
 
 
 _watch: Optional[_OverflowWatch] = None
@@ -417,7 +417,7 @@ def find_overflow() -> None:
             loss_fn(model(x), y).backward()
             optimizer.step()
     """
-    amp = session.current()
+    amp = running.session()
     if amp is None:
         raise StateError(
             "amp_patch.find_overflow() needs a running AMP: call amp_patch.initialize(...) first "

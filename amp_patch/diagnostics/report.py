@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import session
-from ..errors import StateError
+from ..base import running
+from ..base.errors import StateError
 from .notices import warn_user
 from .overflow import history_entry, last_overflow
 from .stats import dtype_name
@@ -23,7 +23,7 @@ History = List[Tuple[int, float, bool]]
 
 
 def _current(what: str) -> Any:
-    amp = session.current()
+    amp = running.session()
     if amp is None:
         raise StateError(
             f"amp_patch.{what}() needs a running AMP: call it after amp_patch.initialize(...) "
@@ -253,10 +253,10 @@ def report() -> Report:
         print(amp_patch.report())
         calls = amp_patch.report().to_dict()["ops"]["torch.nn.functional.linear"]["calls"]
     """
-    amp = session.current()
+    amp = running.session()
     if amp is not None:
         return report_of(amp)
-    last = session.ended()
+    last = running.last_ended()
     if last is None:
         raise StateError("amp_patch.report() has no run to report on yet: call it after amp_patch.initialize(...)")
     return last.report
@@ -265,7 +265,7 @@ def report() -> Report:
 def report_of(amp: Any) -> Report:
     """``report()`` of the session ``amp``."""
     ledger = amp.ledger.to_dict() if amp.ledger is not None else {}
-    props = amp.props
+    props = amp.config
     return Report(
         opt_level=props.opt_level,
         half_dtype=dtype_name(props.half_dtype),
@@ -335,7 +335,7 @@ def plot(path: "str | os.PathLike[str]") -> str:
         raise ImportError(
             f"amp_patch.plot() draws with matplotlib, which is not installed; install the extra: {PLOT_EXTRA_HINT}"
         ) from None
-    if session.current() is None and session.ended() is None:
+    if running.session() is None and running.last_ended() is None:
         raise StateError("amp_patch.plot() has no run to draw yet: call it after amp_patch.initialize(...) and some steps")
     rep = report()
     histories = [(s["loss_id"], s["history"]) for s in rep.loss_scale if s["history"]]

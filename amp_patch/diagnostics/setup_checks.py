@@ -20,7 +20,7 @@ from typing import Any, List, Sequence, Set, Tuple
 
 import torch
 
-from .. import frames
+from ..base import frames
 from ..patching.cast import LOW
 from ..patching.wrappers import wrapt_has_c_extension
 from .notices import warn_once
@@ -289,7 +289,7 @@ def warn_at_initialize(amp: Any, models: Sequence[torch.nn.Module], optimizers: 
     Called by ``initialize`` after everything is in place; each message is
     given once per process (an ``AmpWarning``, filterable with ``warnings``).
     """
-    props, device = amp.props, amp.device_type
+    props, device = amp.config, amp.device_type
     gpu_bf16 = device == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     messages = (
         speed_warnings(props, device, cpu_has_native_bf16() if device == "cpu" else True)

@@ -7,7 +7,7 @@ calls, the dtypes the op ran in (read from its output), the casts inserted and
 the bytes they copied, and the first call site in user code.
 
 It also watches the calls no list covers, through the watching mode of
-``amp_patch.patching.modes``: an op that ran in FP32 on inputs that could have been cast to the
+``amp_patch.diagnostics.modes``: an op that ran in FP32 on inputs that could have been cast to the
 half dtype is an "unlisted op seen", a candidate for a YAML override. Only
 calls made while autograd records are counted (the forward pass): the
 optimizer step and the loss scaler work in FP32 under ``no_grad`` by design,
@@ -25,9 +25,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..patching import modes
+from . import modes
 
-from .. import session
+from ..base import running
 from ..patching.cast import needs_cast
 from ..oplists.schema import is_inplace
 from ..patching.wrappers import switch
@@ -144,7 +144,7 @@ class Ledger:
     def _watch_here(self) -> None:
         # The mode stack is per thread, and the wrappers only exist (and call
         # this) once the AMP state is current.
-        amp = session.current()
+        amp = running.session()
         if amp is not None:
             self.start(amp)
 
@@ -162,7 +162,7 @@ class Ledger:
         name = names[0][1]
         if name in DATA_MOVEMENT or is_inplace(name) or out._is_view():
             return
-        half = self._names.amp.props.half_dtype
+        half = self._names.amp.config.half_dtype
         if not (needs_cast(args, half) or needs_cast(kwargs, half)):
             return
         frame = modes.caller()

@@ -30,10 +30,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import __version__
-from ..errors import AmpError
+from ..base.errors import AmpError
 from ..oplists import view
 from ..patching import wrappers
-from ..properties import parse_dtype
+from ..config import parse_dtype
 from . import launcher, scan
 
 PROG = "amp-patch"

@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import frontend
 from ..diagnostics import AmpWarning, setup_checks
 from ..diagnostics.stats import dtype_name
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from ..scaling.checkpoint import counters
 
 MODES = ("FP32", "O1", "O2")

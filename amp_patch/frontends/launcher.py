@@ -27,14 +27,13 @@ flags (``torchrun``): ``AMP_PATCH_OPT_LEVEL``, ``AMP_PATCH_HALF_DTYPE``,
 
 ``run`` can say what it did (``amp-patch run`` does, on stderr, unless
 ``--quiet``): ``banner`` before the script, with where each setting came from,
-and ``summary`` after it, from the last run's figures (``session.ended()``).
+and ``summary`` after it, from the last run's figures (``running.last_ended()``).
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
 import logging
-import math
 import os
 import runpy
 import sys
@@ -46,13 +45,16 @@ import torch
 import wrapt
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .. import diagnostics, frontend, oplists, session
-from ..errors import ConfigError
+from .. import diagnostics, frontend, oplists
+from ..base import running
+from ..base.errors import ConfigError
 from ..patching.registry import Patcher
 from ..precision import model as model_side
 from ..diagnostics.stats import dtype_name
-from ..properties import ENV_HALF_DTYPE, OPT_LEVELS, Properties, parse_dtype, resolve
-from ..session import Provisional, UndoStack
+from ..base.undo import Owned
+from ..config import (ENV_HALF_DTYPE, FUNCTION_LEVELS, MODEL_LEVELS, PRESETS, AmpConfig, parse, parse_dtype,
+                      parse_level, parse_loss_scale)
+from ..run.session import Provisional, Session
 from . import alias, scan
 from .outputs import OutermostOutputs
 
@@ -65,8 +67,6 @@ OUTPUT_CHOICES = ("float32", "half")
 ENV_LISTS = oplists.ENV_VAR  # read by oplists itself, wherever lists are loaded
 
 _NOTSET = object()
-FUNCTION_LEVELS = ("O1", "O4")  # patch functions; no model needed
-MODEL_LEVELS = ("O2", "O3", "O5")  # cast the model; attach at its optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +127,7 @@ class Settings:
             return (raw or None), env
 
         raw, where = pick("opt_level", opt_level, ENV_OPT_LEVEL)
-        level = "O1" if raw is None else str(raw).strip().upper()
-        if level not in OPT_LEVELS:
-            hint = " (the letter O, not zero)" if level.startswith("0") else ""
-            raise ConfigError(f"{where}={raw!r} is not an opt level{hint}; use one of {', '.join(OPT_LEVELS)}")
+        level = "O1" if raw is None else parse_level(str(raw), where)
 
         half, where = pick("half_dtype", half_dtype, ENV_HALF_DTYPE)
         if half is not None:
@@ -138,7 +135,7 @@ class Settings:
 
         scale, where = pick("loss_scale", loss_scale, ENV_LOSS_SCALE)
         if scale is not None:
-            scale = _parse_loss_scale(scale, where)
+            scale = parse_loss_scale(scale, where)
 
         out, where = pick("outputs", outputs, ENV_OUTPUTS)
         out = "float32" if out is None else str(out).strip().lower()
@@ -148,7 +145,7 @@ class Settings:
         given = tuple(str(p) for p in lists)
         sources["lists"] = names.get("lists", "lists")
         settings = cls(level, half, scale, given, out, sources)
-        settings.properties()  # combinations (e.g. O4 with float16)
+        settings.config()  # combinations (e.g. O4 with float16)
         if level != "O0" or given:
             oplists.load(list(given))  # every list problem now, before the script starts
         return settings
@@ -162,28 +159,16 @@ class Settings:
             out["cast_model_outputs"] = self.output_dtype
         return out
 
-    def properties(self) -> Properties:
+    def config(self) -> AmpConfig:
         """What these settings resolve to on this machine (the half dtype and loss scale chosen)."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        extra = {} if self.loss_scale is None else {"loss_scale": self.loss_scale}
-        return resolve(self.opt_level, device, self.half_dtype, **extra)
+        return parse(self.opt_level, device, half_dtype=self.half_dtype, loss_scale=self.loss_scale,
+                     names=self.sources)
 
     @property
     def output_dtype(self) -> Optional[torch.dtype]:
         """The dtype the models' outputs are cast to, or None to keep what they computed."""
         return torch.float32 if self.outputs == "float32" and self.opt_level != "O0" else None
-
-
-def _parse_loss_scale(value: Any, where: str) -> Union[str, float]:
-    if isinstance(value, str) and value.strip().lower() == "dynamic":
-        return "dynamic"
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        f = math.nan
-    if not (f > 0 and math.isfinite(f)):
-        raise ConfigError(f"{where}={value!r} is not a loss scale; use 'dynamic' or a positive number such as 128")
-    return f
 
 
 # ------------------------------------------------------------------ optimizers
@@ -201,7 +186,7 @@ class OptimizerHook:
 
     def __init__(self, on_built: Callable[[torch.optim.Optimizer], None]):
         self.on_built = on_built
-        self._patcher = Patcher()
+        self._patcher = Patcher(Owned(self))
         self._building = threading.local()
         self._own_init_subclass: Any = _NOTSET
 
@@ -233,7 +218,7 @@ class OptimizerHook:
             for cls in classes:
                 self._wrap(cls)
         except BaseException:
-            self._patcher.undo()
+            self._patcher.unpatch_all()
             raise
         # Not through the Patcher: the inherited value is a fresh bound method
         # on every lookup, so "is it back?" checks cannot work; own-or-delete can.
@@ -248,7 +233,7 @@ class OptimizerHook:
         elif "__init_subclass__" in vars(base):
             del base.__init_subclass__
         self._own_init_subclass = _NOTSET
-        self._patcher.undo()
+        self._patcher.unpatch_all()
 
     def _wrap(self, cls: type) -> None:
         if "__init__" in vars(cls):
@@ -321,11 +306,11 @@ class Launch:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.amp: Any = None  # the Session this launch started, if any
+        self.amp: Optional[Session] = None  # the session this launch started, if any
         self.stepped_aside = False
         #: what start() changed outside the session (alias, optimizer hook,
-        #: forward hook), each with its undo: stop() unwinds it
-        self.undo = UndoStack()
+        #: forward hook): this launch's entries on the process's undo stack, which stop() unwinds
+        self.undo = Owned(self)
         #: initialize's set-up warnings, held until the launcher's level runs
         #: (the first forward of any module, whose line they then point at),
         #: and dropped if the script's own initialize replaces that level first
@@ -333,7 +318,7 @@ class Launch:
         self._forward_hook: Any = None  # global forward pre-hook that gives the held warnings
         #: for the summary: the figures of the last run ended before start(), to tell a new
         #: one from them, and whether the script's own initialize set the last run
-        self._ended_before: Optional[session.Ended] = None
+        self._ended_before: Optional[running.Ended] = None
         self.by_script: Optional[bool] = None
 
     def start(self) -> None:
@@ -348,9 +333,9 @@ class Launch:
             finally:
                 launch.stop()
         """
-        if session.current() is not None:
+        if running.session() is not None:
             raise ConfigError("amp_patch is already initialized in this process; the launcher starts it itself. Call amp_patch.deinitialize() first.")
-        self._ended_before = session.ended()
+        self._ended_before = running.last_ended()
         level = self.settings.opt_level
         try:
             if not alias.is_installed() and alias.install_apex_alias():
@@ -359,7 +344,7 @@ class Launch:
             self.undo.push(_end_session)
             if level in FUNCTION_LEVELS:
                 self._holding(frontend.initialize, None, None, level, **self.settings.initialize_kwargs())
-                self._mark(session.current())
+                self._mark(running.session())
             if level in FUNCTION_LEVELS or level in MODEL_LEVELS:
                 hook = OptimizerHook(self._on_optimizer)
                 hook.install()
@@ -377,24 +362,24 @@ class Launch:
     def stop(self) -> None:
         """Undo ``start()``: no hook, no alias, amp_patch deinitialized."""
         self._release_held()
-        current = session.current()
+        current = running.session()
         self.by_script = (current is not self.amp) if current is not None else (self.amp is None)
         self.undo.pop_to(0)
 
     def summary(self) -> str:
         """What ran, after ``stop()``: see ``summary``."""
-        figures = session.ended()
+        figures = running.last_ended()
         return summary(self.settings, self.by_script, None if figures is self._ended_before else figures,
                        self.stepped_aside)
 
-    def _mark(self, amp: Any) -> None:
+    def _mark(self, amp: Session) -> None:
         self.amp = amp
         kwargs = self.settings.initialize_kwargs()
         amp.provisional = Provisional(kwargs["half_dtype"], kwargs["lists"], self.settings.output_dtype)
 
     def _ours(self) -> bool:
         """True while the running AMP state is the one this launch started."""
-        current = session.current()
+        current = running.session()
         if self.stepped_aside or (self.amp is not None and current is not self.amp) or (self.amp is None and current is not None):
             # The script initialized (or deinitialized) itself: its word wins,
             # and warnings about the launcher's level, which never ran, go.
@@ -428,7 +413,7 @@ class Launch:
     def _release_held(self) -> None:
         """Give the held set-up warnings, pointing at the script's line that runs now."""
         held, self._held = self._held, []
-        if held and not self.stepped_aside and self.amp is not None and session.current() is self.amp:
+        if held and not self.stepped_aside and self.amp is not None and running.session() is self.amp:
             for message, category in held:
                 diagnostics.warn_user(message, category)
 
@@ -445,13 +430,13 @@ class Launch:
             log.info("amp_patch: %s is over FP16/BF16 parameters, so the script runs its own mixed precision; "
                      "the launcher turns its own AMP off and leaves the script as it is", type(optimizer).__name__)
             self.stepped_aside = True
-            if self.amp is not None and session.current() is self.amp:
+            if self.amp is not None and running.session() is self.amp:
                 frontend.deinitialize()
             return
         if self.settings.opt_level in FUNCTION_LEVELS:
             frontend.adopt_optimizer(optimizer)
-            amp = session.current()
-            if amp.props.cast_model_outputs is not None:
+            amp = running.session()
+            if amp.config.cast_model_outputs is not None:
                 try:
                     model = owning_model(optimizer)
                 except ConfigError:
@@ -475,7 +460,7 @@ class Launch:
             if self.amp is not None:
                 self.amp.provisional = saved
         if self.amp is None:
-            self._mark(session.current())
+            self._mark(running.session())
         log.info("amp_patch: launcher attached %s to %s at %s", type(optimizer).__name__, type(model).__name__, self.settings.opt_level)
 
 
@@ -483,21 +468,11 @@ class Launch:
 
 PREFIX = "amp-patch run: "
 
-_DOES = {
-    "O0": "FP32, nothing cast",
-    "O1": "torch functions cast",
-    "O2": "model cast, FP32 master weights",
-    "O3": "model cast, no master weights",
-    "O4": "torch functions cast",
-    "O5": "model cast, FP32 master weights",
-}
-
-
 def _from(source: str) -> str:
     return "default" if source == "default" else f"from {source}"
 
 
-def _loss_scaling(props: Properties, source: str) -> str:
+def _loss_scaling(props: AmpConfig, source: str) -> str:
     if props.dynamic:
         where = "the opt level's default" if source == "default" else _from(source)
         return f"dynamic loss scaling ({where})"
@@ -516,9 +491,9 @@ def banner(settings: Settings, script: Optional[str] = None) -> str:
 
         print(banner(Settings.resolve(opt_level="O2"), "train.py"), file=sys.stderr)
     """
-    props, src = settings.properties(), settings.sources
+    props, src = settings.config(), settings.sources
     level = settings.opt_level
-    parts = [f"{level} ({_from(src.get('opt_level', 'default'))}; {_DOES[level]})"]
+    parts = [f"{level} ({_from(src.get('opt_level', 'default'))}; {PRESETS[level].does})"]
     if level != "O0":
         device = "CUDA" if torch.cuda.is_available() else "CPU"
         half_src = src.get("half_dtype", "default")
@@ -545,14 +520,14 @@ def banner(settings: Settings, script: Optional[str] = None) -> str:
     return line
 
 
-def summary(settings: Settings, by_script: Optional[bool], figures: Optional[session.Ended], aside: bool) -> str:
+def summary(settings: Settings, by_script: Optional[bool], figures: Optional[running.Ended], aside: bool) -> str:
     """The line ``amp-patch run`` prints after the script: who set the run's
     settings, steps taken and skipped, the final loss scale, the ops cast.
 
     Args:
         by_script: True when the script's own ``initialize`` set the last run,
             False when the launcher did, None when no run was on at the end.
-        figures: the last run's figures (``session.ended()``), None if none ran.
+        figures: the last run's figures (``running.last_ended()``), None if none ran.
         aside: the launcher turned its AMP off for a script that runs its own
             half precision.
     """

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .. import session
+from ..base import running
 from ..patching.cast import cast
 
 _state = threading.local()  # .module: the outermost module being called; .depth: its own nesting
@@ -53,7 +53,7 @@ def _end(module: torch.nn.Module, args: Any, output: Any) -> Any:
     if _state.depth:
         return None
     _state.module = None
-    if _active is None or session.current() is None:
+    if _active is None or running.session() is None:
         return None
     return cast(output, torch.float32, None)  # the same object back when nothing is half
 

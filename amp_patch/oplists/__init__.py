@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 import yaml
 
-from ..errors import ListError
+from ..base.errors import ListError
 from .schema import INPLACE_DUNDERS, POLICIES, PROTOCOL_WRITES
 
 log = logging.getLogger("amp_patch")

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from .. import oplists
-from ..properties import default_half_dtype, parse_dtype
+from ..config import default_half_dtype, parse_dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,13 +6,19 @@ the owner, the name, and whether the value was the owner's *own* attribute
 uses ``delattr`` for inherited ones, so ``vars(torch.Tensor)`` is left exactly
 as it was (most Tensor methods live on ``torch._C.TensorBase``).
 
-Our registry, not wrapt, is the one source of truth for what is patched.
+Our registry, not wrapt, is the one source of truth for what is patched;
+the process's undo stack (``base.undo``) holds how to take it off.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+from ..base.undo import Owned
 
 _NOTSET = object()
+
+#: ``(owner, name, make_wrapper)``: patch ``owner.name`` with ``make_wrapper(original)``
+PatchItem = Tuple[object, str, Callable[[Any], Any]]
 
 
 class PatchRecord:
@@ -20,7 +26,7 @@ class PatchRecord:
 
     __slots__ = ("owner", "name", "own", "old", "new")
 
-    def __init__(self, owner: Any, name: str, own: Any, old: Any, new: Any):
+    def __init__(self, owner: object, name: str, own: object, old: object, new: object):
         self.owner = owner
         self.name = name
         self.own = own  # the owner's own value before patching, or _NOTSET
@@ -29,38 +35,44 @@ class PatchRecord:
 
 
 class Patcher:
-    """An undo stack of attribute patches.
+    """The attributes one owner patched, in the order it patched them.
 
-    ``apply`` is all or nothing when given a batch: if one ``setattr`` fails,
-    the ones already done are undone before the error propagates.
+    Every batch ``apply`` patches is pushed onto the owner's view of the
+    process's undo stack (``base.undo.Owned``) as one entry of kind
+    ``"patch"``, so the registry keeps no undo stack of its own: the owner's
+    ``pop_to`` takes patches off, and ``apply`` is all or nothing (if one
+    ``setattr`` fails, the ones already done are put back before the error
+    propagates).
     """
 
-    def __init__(self) -> None:
-        self._records: List[PatchRecord] = []
-        self._index: Dict[Tuple[int, str], PatchRecord] = {}
+    KIND = "patch"
+
+    def __init__(self, undo: Owned) -> None:
+        self._undo = undo
+        self._index: Dict[Tuple[int, str], PatchRecord] = {}  # insertion order: oldest first
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._index)
 
-    def is_patched(self, owner: Any, name: str) -> bool:
+    def is_patched(self, owner: object, name: str) -> bool:
         return (id(owner), name) in self._index
 
-    def originals(self) -> List[Tuple[Any, str, Any]]:
+    def originals(self) -> List[Tuple[object, str, object]]:
         """``(owner, name, original)`` of every patched attribute, oldest first."""
-        return [(r.owner, r.name, r.old) for r in self._records]
+        return [(r.owner, r.name, r.old) for r in self._index.values()]
 
-    def get_original(self, owner: Any, name: str) -> Any:
+    def get_original(self, owner: object, name: str) -> object:
         """The value ``owner.name`` had before we first patched it."""
         rec = self._index.get((id(owner), name))
         return getattr(owner, name) if rec is None else rec.old
 
-    def apply(self, items: List[Tuple[Any, str, Callable[[Any], Any]]]) -> int:
+    def apply(self, items: Sequence[PatchItem]) -> int:
         """Patch each ``(owner, name, make_wrapper)``; ``make_wrapper(original)``.
 
-        A name we already patched is skipped: we never wrap our own wrapper.
-        Returns how many were patched (``undo(n)`` takes them off again).
+        A name already patched is skipped: we never wrap our own wrapper.
+        Returns how many were patched.
         """
-        done = 0
+        done: List[PatchRecord] = []
         try:
             for owner, name, make in items:
                 if (id(owner), name) in self._index:
@@ -70,20 +82,22 @@ class Patcher:
                 new = make(old)
                 setattr(owner, name, new)
                 rec = PatchRecord(owner, name, own, old, new)
-                self._records.append(rec)
+                done.append(rec)
                 self._index[(id(owner), name)] = rec
-                done += 1
         except BaseException:
-            self.undo(done)
+            self._restore(done)
             raise
-        return done
+        if done:
+            self._undo.push(_Unpatch(self, done), self.KIND)
+        return len(done)
 
-    def undo(self, count: int | None = None) -> None:
-        """Undo the last ``count`` patches (all by default), newest first."""
-        n = len(self._records) if count is None else count
-        for _ in range(n):
-            rec = self._records.pop()
-            del self._index[(id(rec.owner), rec.name)]
+    def unpatch_all(self) -> None:
+        """Take every patch of this registry off, newest first."""
+        self._undo.pop_to(0, self.KIND)
+
+    def _restore(self, records: List[PatchRecord]) -> None:
+        for rec in reversed(records):
+            self._index.pop((id(rec.owner), rec.name), None)
             if rec.own is _NOTSET:
                 try:
                     delattr(rec.owner, rec.name)
@@ -96,3 +110,13 @@ class Patcher:
                     setattr(rec.owner, rec.name, rec.old)
             else:
                 setattr(rec.owner, rec.name, rec.own)
+
+
+class _Unpatch:
+    """Undo of one ``Patcher.apply`` batch."""
+
+    def __init__(self, patcher: Patcher, records: List[PatchRecord]):
+        self.patcher, self.records = patcher, records
+
+    def __call__(self) -> None:
+        self.patcher._restore(self.records)

@@ -48,11 +48,11 @@ from typing import Any, Callable, Optional
 import torch
 import wrapt
 
-from .. import frames
+from ..base import frames
 from ..oplists.schema import is_inplace
 from . import costs
 from .cast import CASTABLE, CONVERT, LOW, CastCache, cast, cast_args, needs_cast
-from ..errors import BannedOpError, CastError
+from ..base.errors import BannedOpError, CastError
 
 f32 = torch.float32
 Tensor = torch.Tensor
@@ -75,7 +75,7 @@ switch = _Switch()
 
 # Non-empty while every patched call must run the Python wrappers, never the C
 # fast path: overflow provenance finds the op being cast from their frames
-# (``amp_patch.patching.modes`` fills it while the watching mode has observers).
+# (``amp_patch.diagnostics.modes`` fills it while the watching mode has observers).
 python_only: dict = {}
 
 

@@ -12,12 +12,13 @@ the parameters alone (they patch functions) and work with FSDP.
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
+from ..config import AmpConfig
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -40,15 +41,15 @@ def fsdp_wrapped(model: nn.Module) -> List[Tuple[str, str]]:
     return found
 
 
-def check_models(models: Sequence[nn.Module], props: Any) -> None:
+def check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
     """Refuse to cast an FSDP model to half precision.
 
     Raises:
         ConfigError: naming the model, the wrapped module and what to use.
     """
-    if props.cast_model_type not in _LOW and not props.master_weights:
+    if config.cast_model_type not in _LOW and not config.master_weights:
         return
-    half = str(props.cast_model_type).replace("torch.", "")
+    half = str(config.cast_model_type).replace("torch.", "")
     for i, m in enumerate(models):
         found = fsdp_wrapped(m)
         if not found:
@@ -66,7 +67,7 @@ def check_models(models: Sequence[nn.Module], props: Any) -> None:
             )
         raise ConfigError(
             f"model {i} ({type(m).__name__}) is sharded by FSDP ({kind} on {where}), which owns its "
-            f"parameters and their dtype; opt_level={props.opt_level!r} would cast them to {half} and keep "
+            f"parameters and their dtype; opt_level={config.opt_level!r} would cast them to {half} and keep "
             f"FP32 masters beside FSDP's shards. Use opt_level='O1' (or 'O4' for BF16), which leaves the "
             f"parameters alone, or let FSDP keep the FP32 weights and compute in half itself: {native}."
         )

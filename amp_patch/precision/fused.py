@@ -42,7 +42,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
+from ..config import AmpConfig
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
@@ -69,17 +70,17 @@ def check(optimizer: torch.optim.Optimizer) -> Optional[str]:
     return None
 
 
-def validate(props: Any, options: Any, optimizers: List[torch.optim.Optimizer]) -> None:
-    """Check ``options.fused_update`` against the opt level and optimizers before anything changes.
+def validate(config: AmpConfig, optimizers: List[torch.optim.Optimizer]) -> None:
+    """Check ``config.fused_update`` against the opt level and optimizers before anything changes.
 
     Raises:
         ConfigError: naming what the fused update needs and the fix.
     """
-    if not options.fused_update:
+    if not config.fused_update:
         return
-    if not props.master_weights:
+    if not config.master_weights:
         raise ConfigError(
-            f"fused_update=True fuses the update of FP32 master weights, but opt_level={props.opt_level!r} has "
+            f"fused_update=True fuses the update of FP32 master weights, but opt_level={config.opt_level!r} has "
             f"none; use it with O2 or O5 (or master_weights=True)"
         )
     for i, opt in enumerate(optimizers):

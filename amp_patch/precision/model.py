@@ -25,9 +25,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .. import copies, inflight, session
-from ..errors import ConfigError, StateError
-from ..options import Options
+from . import copies
+from ..base import running
+from ..base.errors import ConfigError, StateError
+from ..config import AmpConfig
 from ..patching.cast import CASTABLE, LOW, cast, needs_cast
 from . import compat, master
 
@@ -99,7 +100,7 @@ class SaveFP32:
         self.save_dtype = save_dtype
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-        amp = session.current()
+        amp = running.session()
         to = self.save_dtype
         for name, p in module._parameters.items():
             key = prefix + name
@@ -164,14 +165,14 @@ class SyncWritten:
         self.probe, self.dtype = probe, dtype
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        amp = session.current()
+        amp = running.session()
         if amp is None:
             return
         probe = self.probe
         if probe is not None and probe.dtype is not self.dtype:
             raise StateError(
                 f"{type(module).__name__}'s parameters are {probe.dtype} now, but amp_patch converted the model to "
-                f"{self.dtype} at opt_level={amp.props.opt_level!r} and keeps FP32 master weights for it; "
+                f"{self.dtype} at opt_level={amp.config.opt_level!r} and keeps FP32 master weights for it; "
                 f"model.float(), .half() or .to(dtype) after initialize breaks that. To evaluate or export in FP32, "
                 f"use a copy (copy.deepcopy(model) is a plain FP32 model) or call amp_patch.deinitialize() first; "
                 f"for another half dtype, deinitialize and initialize again with half_dtype=..."
@@ -196,7 +197,7 @@ class LoadIntoMasters:
     """
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *rest: Any) -> None:
-        amp = session.current()
+        amp = running.session()
         if amp is None:
             return
         pairs = []
@@ -237,15 +238,15 @@ def _keep_loaded(amp: Any, key: Any, value: Any) -> None:
         return
 
 
-#: amp_patch's module hooks: a copy of a converted model drops them (copies.py)
-_HOOK_TYPES = (CastInputs, CastOutputs, SaveFP32, LoadIntoMasters, SyncWritten) + inflight.HOOK_TYPES
+#: amp_patch's module hooks: a copy of a converted model drops them (``precision.copies``)
+_HOOK_TYPES = (CastInputs, CastOutputs, SaveFP32, LoadIntoMasters, SyncWritten)
 
 
 # ------------------------------------------------------------------ options
 
 
 def _filter(keep_fp32: Any, models: Sequence[nn.Module]) -> Optional[Filter]:
-    """``Options.keep_fp32`` as a ``(module, name) -> bool`` filter; ConfigError
+    """``AmpConfig.keep_fp32`` as a ``(module, name) -> bool`` filter; ConfigError
     when a pattern matches no module of ``models``."""
     if keep_fp32 is None or callable(keep_fp32):
         return keep_fp32
@@ -272,28 +273,28 @@ class _PatternFilter:
         return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(cls, p) for p in self.patterns)
 
 
-def validate(models: Sequence[nn.Module], props: Any, options: Options) -> None:
+def validate(models: Sequence[nn.Module], config: AmpConfig) -> None:
     """Check the models and the model options before anything changes.
 
     Raises:
         ConfigError: naming the model or option and the fix.
     """
-    compat.check_models(models, props)
-    casts_half = props.cast_model_type in LOW
-    if options.keep_fp32 is not None:
+    compat.check_models(models, config)
+    casts_half = config.cast_model_type in LOW
+    if config.keep_fp32 is not None:
         if not casts_half:
             raise ConfigError(
-                f"keep_fp32 keeps modules of a half-precision model in FP32, but opt_level={props.opt_level!r} "
+                f"keep_fp32 keeps modules of a half-precision model in FP32, but opt_level={config.opt_level!r} "
                 f"does not cast the model; use it with O2, O3 or O5"
             )
-        _filter(options.keep_fp32, models)
+        _filter(config.keep_fp32, models)
 
     for i, m in enumerate(models):
         scripted = next((n for n, sub in m.named_modules() if isinstance(sub, torch.jit.ScriptModule)), None)
         if casts_half and scripted is not None:
             where = f"its submodule {scripted!r}" if scripted else "it"
             raise ConfigError(
-                f"model {i} ({type(m).__name__}) cannot be converted at opt_level={props.opt_level!r}: {where} is a "
+                f"model {i} ({type(m).__name__}) cannot be converted at opt_level={config.opt_level!r}: {where} is a "
                 f"torch.jit.script-ed module, whose parameters and compiled code torch does not let amp_patch cast "
                 f"and hook safely. Initialize the plain (unscripted) model and script it afterwards if you must, "
                 f"or use O1/O4, which leave the model as it is."
@@ -309,7 +310,7 @@ def validate(models: Sequence[nn.Module], props: Any, options: Options) -> None:
 # ------------------------------------------------------------------ conversion
 
 
-class _Converted:
+class Conversion:
     """What conversion changed in one model, to undo it."""
 
     def __init__(self, model: nn.Module):
@@ -356,7 +357,7 @@ def _kept_modules(model: nn.Module, keep_bn: bool, keep: Optional[Filter]) -> se
     return kept
 
 
-def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool, keep: Optional[Filter],
+def _convert(rec: "Conversion", dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool, keep: Optional[Filter],
              save_dtype: torch.dtype, originals: Dict[int, tuple]) -> None:
     """Cast ``rec.model`` in place, recording each change in ``rec`` as it is made."""
     model = rec.model
@@ -409,7 +410,7 @@ def _convert(rec: "_Converted", dtype: torch.dtype, out_dtype: torch.dtype, keep
     dtypes.update({(id(mod), name): d for mod, name, d in rec.buffers})
     rec.copyable = True
     copies.install(model, copies.Plan(_exact_value, dtypes, _HOOK_TYPES,
-                                      lambda mod, name, b: _exact_buffer(session.current(), mod, name, b)))
+                                      lambda mod, name, b: _exact_buffer(running.session(), mod, name, b)))
     if rec.params:
         copies.install_save_pretrained(model, rec.params[0][1])
 
@@ -418,7 +419,7 @@ def _exact_value(param: Tensor) -> Optional[Tensor]:
     """The exact value from before the cast of a converted parameter: its
     master's where an optimizer holds one, else the value kept at conversion
     while the half parameter has not changed since."""
-    amp = session.current()
+    amp = running.session()
     m = master.lookup(amp, param)
     if m is not None or amp is None:
         return m
@@ -476,14 +477,14 @@ def _holds_half(mod: nn.Module) -> bool:
     return any(p is not None and p.dtype in LOW for p in mod._parameters.values())
 
 
-def _checkpoint_hooks(mod: nn.Module, save_dtype: torch.dtype, rec: _Converted) -> None:
+def _checkpoint_hooks(mod: nn.Module, save_dtype: torch.dtype, rec: Conversion) -> None:
     rec.handles.append(mod.register_state_dict_post_hook(SaveFP32(save_dtype)))
     rec.handles.append(mod.register_load_state_dict_pre_hook(LoadIntoMasters()))
 
 
-def _hook_only(model: nn.Module, save_dtype: torch.dtype) -> _Converted:
+def _hook_only(model: nn.Module, save_dtype: torch.dtype) -> Conversion:
     """``cast_model_type=False`` with masters: no casts, FP32 checkpoints of the half parameters."""
-    rec = _Converted(model)
+    rec = Conversion(model)
     for mod in model.modules():
         if _holds_half(mod):
             _checkpoint_hooks(mod, save_dtype, rec)
@@ -496,8 +497,8 @@ def cast_outputs(amp: Any, model: nn.Module) -> None:
     whose outputs are cast already is left as it is."""
     if any(rec.model is model for rec in amp.model_records):
         return
-    rec = _Converted(model)
-    rec.handles.append(model.register_forward_hook(CastOutputs(amp.props.cast_model_outputs)))
+    rec = Conversion(model)
+    rec.handles.append(model.register_forward_hook(CastOutputs(amp.config.cast_model_outputs)))
     amp.model_records.append(rec)
     amp.undo.push(_Unconvert(rec))
 
@@ -505,7 +506,7 @@ def cast_outputs(amp: Any, model: nn.Module) -> None:
 class _Unconvert:
     """Undo callback for one converted model (a class, so the record is inspectable)."""
 
-    def __init__(self, rec: _Converted):
+    def __init__(self, rec: Conversion):
         self.rec = rec
 
     @torch.no_grad()
@@ -535,8 +536,8 @@ class _Unconvert:
             mod.flatten_parameters()
 
 
-def attach(amp: Any, models: Sequence[nn.Module], options: Options) -> Dict[int, tuple]:
-    """Convert ``models`` with this call's ``options`` (``keep_fp32``, ``save_dtype``).
+def attach(amp: Any, models: Sequence[nn.Module], config: AmpConfig) -> Dict[int, tuple]:
+    """Convert ``models`` with this call's ``config`` (its ``keep_fp32``, ``save_dtype``).
 
     Returns ``{id(parameter): (FP32 data, FP32 grad, dtype)}`` from before the
     cast, on which the masters are built (``optimizers.attach``).
@@ -544,27 +545,26 @@ def attach(amp: Any, models: Sequence[nn.Module], options: Options) -> Dict[int,
     Each change pushes its undo onto ``amp.undo`` as it is made, so a failure
     half way, or ``deinitialize``, restores the models.
     """
-    props = amp.props
     originals: Dict[int, tuple] = {}
-    dtype = props.cast_model_type
+    dtype = config.cast_model_type
     if dtype is not None:
-        keep = _filter(options.keep_fp32, models)
-        keep_bn = bool(props.keep_batchnorm_fp32)
-        out_dtype = props.cast_model_outputs or f32
-        save_dtype = options.save_dtype
+        keep = _filter(config.keep_fp32, models)
+        keep_bn = bool(config.keep_batchnorm_fp32)
+        out_dtype = config.cast_model_outputs or f32
+        save_dtype = config.save_dtype
         for m in models:
-            rec = _Converted(m)
+            rec = Conversion(m)
             # registered before the first change, so a failure half way is undone too
             amp.model_records.append(rec)
             amp.undo.push(_Unconvert(rec))
             _convert(rec, dtype, out_dtype, keep_bn, keep, save_dtype, originals)
-    elif props.master_weights:
-        save_dtype = options.save_dtype
+    elif config.master_weights:
+        save_dtype = config.save_dtype
         for m in models:
             rec = _hook_only(m, save_dtype)
             amp.model_records.append(rec)
             amp.undo.push(_Unconvert(rec))
-    if dtype is None and props.cast_model_outputs is not None:
+    if dtype is None and config.cast_model_outputs is not None:
         for m in models:
             cast_outputs(amp, m)
     return originals

@@ -8,9 +8,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import session
-from ..errors import ConfigError, StateError
-from ..options import Options
+from ..base import running
+from ..base.errors import ConfigError, StateError
+from ..config import AmpConfig
 from ..patching.cast import LOW
 from . import fused, kernel, master
 
@@ -24,8 +24,8 @@ def inner_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
     return inner if isinstance(inner, torch.optim.Optimizer) else None
 
 
-def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer], props: Any,
-             options: Options, running: Any, replacing: Any = None) -> None:
+def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer], config: AmpConfig,
+             running: Any, replacing: Any = None) -> None:
     """Check ``optimizers`` (with the ``models`` they come with) before anything
     changes; ``running`` is the session they would join, or None for a new one;
     ``replacing`` a provisional session (the launcher's) this call ends once
@@ -35,12 +35,12 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
     Raises:
         ConfigError: naming the optimizer and the fix.
     """
-    fused.validate(props, options, list(optimizers))
+    fused.validate(config, list(optimizers))
     amp = running
     for i, opt in enumerate(optimizers):
         if amp is not None and amp.attached(opt):
             raise ConfigError(f"optimizer {i} ({type(opt).__name__}) is already attached; pass each optimizer to initialize once")
-    if props.master_weights and props.cast_model_type is None and not any(
+    if config.master_weights and config.cast_model_type is None and not any(
         p.dtype in LOW for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()
     ):
         raise ConfigError(
@@ -48,7 +48,7 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
             "parameters; these models are all FP32, so FP32 master weights would copy them for nothing. "
             "Let the opt level cast the model (drop cast_model_type=False), or drop master_weights."
         )
-    if props.master_weights:
+    if config.master_weights:
         known = {id(p) for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()}
         if replacing is not None:
             for h in replacing.optimizer_handles.values():
@@ -63,7 +63,7 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
                     if id(p) not in known:
                         raise ConfigError(
                             f"{where} is not a parameter of the model(s) passed to initialize. Under "
-                            f"opt_level={props.opt_level!r} each model parameter in the optimizer is replaced by an "
+                            f"opt_level={config.opt_level!r} each model parameter in the optimizer is replaced by an "
                             f"FP32 master, so pass every model whose parameters the optimizer holds (or build the "
                             f"optimizer from model.parameters())."
                         )
@@ -73,7 +73,7 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
                             f"parameter can belong to one optimizer only"
                         )
                     owner[id(p)] = i
-    elif props.cast_model_type is None and not options.allow_half_params:
+    elif config.cast_model_type is None and not config.allow_half_params:
         # what the provisional session converted goes back to FP32 when it ends
         converted = {id(p) for rec in replacing.model_records for p, _ in rec.params} if replacing is not None else set()
         for i, opt in enumerate(optimizers):
@@ -113,11 +113,11 @@ class _StrayStepGuard:
         return self.seen[1]
 
     def check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self.amp.optimizer_handles or session.current() is not self.amp:
+        if id(optimizer) in self.amp.optimizer_handles or running.session() is not self.amp:
             return
         halves = self._halves()
         if any(id(p) in halves for g in optimizer.param_groups for p in g["params"]):
-            level = self.amp.props.opt_level
+            level = self.amp.config.opt_level
             raise StateError(
                 f"{type(optimizer).__name__}.step() would update half-precision weights of a model "
                 f"amp_patch converted at {level}, but this optimizer was not given to initialize, so it "
@@ -146,24 +146,23 @@ Built = Tuple[master.MasterWeights, Optional[fused.FusedUpdate], Optional[kernel
 
 
 def attach(amp: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-           originals: Dict[int, tuple], options: Options) -> Dict[int, Built]:
+           originals: Dict[int, tuple], config: AmpConfig) -> Dict[int, Built]:
     """Put FP32 masters into ``optimizers`` (O2/O5), built on ``originals``
     (``model.attach``), and guard the converted ``models`` against optimizers
     nobody attached. Returns ``{id(optimizer): (masters, fused update)}``.
 
     Each change pushes its undo onto ``amp.undo`` as it is made.
     """
-    props = amp.props
-    if props.master_weights and models and not any(isinstance(cb, _StrayStepGuard) for cb in amp.undo):
+    if config.master_weights and models and not any(isinstance(cb, _StrayStepGuard) for cb in amp.undo):
         amp.undo.push(_StrayStepGuard(amp))
     built: Dict[int, Built] = {}
-    if not props.master_weights:
+    if not config.master_weights:
         return built
     for opt in optimizers:
         mw = master.MasterWeights(opt)
         amp.undo.push(_Release(mw))
         for group in opt.param_groups:
             mw.adopt(group, originals)
-        built[id(opt)] = (mw, fused.FusedUpdate(mw) if options.fused_update else None,
+        built[id(opt)] = (mw, fused.FusedUpdate(mw) if config.fused_update else None,
                           kernel.KernelStep(mw) if kernel.native is not None else None)
     return built

@@ -31,7 +31,7 @@ O2/O5 update lives with the masters, in ``amp_patch.precision.fused``.
 """
 from __future__ import annotations
 
-from .api import master_params, scale_loss, unscale_, validate_options
+from .api import master_params, scale_loss, unscale_
 from .checkpoint import counters, load_state_dict, state_dict
 
-__all__ = ["counters", "load_state_dict", "master_params", "scale_loss", "state_dict", "unscale_", "validate_options"]
+__all__ = ["counters", "load_state_dict", "master_params", "scale_loss", "state_dict", "unscale_"]

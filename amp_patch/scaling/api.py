@@ -6,33 +6,17 @@ from typing import Any, Iterator, List
 
 import torch
 
-from .. import session
-from ..errors import ConfigError, StateError
+from ..base import running
+from ..base.errors import ConfigError, StateError
 from ..precision import master
 from ..precision.optimizers import inner_optimizer
-from ..options import Options
 from . import patches
-from .scaler import LossScaler
 from .state import Handle, after_backward, before_backward, run_of, transfer
 
 Tensor = torch.Tensor
 
-def validate_options(props: Any, options: Options) -> None:
-    """Check the loss-scaler options against the opt level's loss scale before anything changes.
-
-    Raises:
-        ConfigError: (a ``ValueError``) naming the option, e.g.
-            ``growth_factor=0.5 must be > 1``.
-    """
-    try:
-        LossScaler(props.loss_scale, **options.scaler_kwargs())
-    except ValueError as e:
-        raise ConfigError(f"initialize: {e}") from None
-
-
-
 def current(what: str) -> Any:
-    amp = session.current()
+    amp = running.session()
     if amp is None:
         raise StateError(f"amp_patch.{what} needs amp_patch.initialize(model, optimizer, opt_level=...) first")
     return amp

@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, List, Optional
 
-from .. import diagnostics, session
-from ..errors import ConfigError
+from .. import diagnostics
+from ..base import running
+from ..base.errors import ConfigError
 from .api import current
 from .patches import ensure_patches
 from .state import run_of
@@ -37,8 +38,8 @@ def state_dict(destination: Optional[dict] = None) -> dict:
         out[f"loss_scaler{i}"] = s.state_dict()
     out["amp_patch"] = {
         "version": STATE_VERSION,
-        "opt_level": amp.props.opt_level,
-        "half_dtype": str(amp.props.half_dtype).replace("torch.", ""),
+        "opt_level": amp.config.opt_level,
+        "half_dtype": str(amp.config.half_dtype).replace("torch.", ""),
     }
     return out
 
@@ -102,11 +103,11 @@ def load_state_dict(state: dict, *, strict: bool = True) -> None:
         except ValueError as e:
             raise ConfigError(f"amp_patch.load_state_dict: loss scaler {i}: {e}") from None
     notes = []
-    ours = str(amp.props.half_dtype).replace("torch.", "")
+    ours = str(amp.config.half_dtype).replace("torch.", "")
     if half is not None and half != ours:
         notes.append(f"the checkpoint was saved by a {half} run and this run is {ours}")
-    if level is not None and level != amp.props.opt_level:
-        notes.append(f"the checkpoint was saved at opt_level={level!r} and this run is {amp.props.opt_level!r}")
+    if level is not None and level != amp.config.opt_level:
+        notes.append(f"the checkpoint was saved at opt_level={level!r} and this run is {amp.config.opt_level!r}")
     for i, (s, entry) in enumerate(zip(run.scalers, entries)):
         notes += [f"loss scaler {i}: {n}" for n in s.load_state_dict(entry)]
     if notes:
@@ -136,8 +137,8 @@ def counters() -> Dict[str, Any]:
         c = amp_patch.counters()
         print(f"skipped {c['skipped']} of {c['steps'] + c['skipped']} steps; scale {c['loss_scale'][0]:g}")
     """
-    last = session.ended()
-    if session.current() is None and last is not None:
+    last = running.last_ended()
+    if running.session() is None and last is not None:
         return copy.deepcopy(last.counters)  # the caller may edit its copy
     return counters_of(current("counters"))
 

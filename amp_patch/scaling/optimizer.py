@@ -8,8 +8,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from .. import session
-from ..errors import StateError
+from ..base import running
+from ..base.errors import StateError
 from .patches import ensure_patches
 from .state import Handle, Run, Stage, decide_skips, handle, run_of, transfer, transfer_all
 
@@ -17,7 +17,7 @@ Tensor = torch.Tensor
 _NOTSET = object()
 
 def _lookup(optimizer: Any) -> Optional[Handle]:
-    amp = session.current()
+    amp = running.session()
     return None if amp is None else amp.handle_of(optimizer)
 
 

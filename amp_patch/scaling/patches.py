@@ -8,7 +8,8 @@ from typing import Any, List, Sequence, Tuple
 import torch
 import wrapt
 
-from .. import diagnostics, session
+from .. import diagnostics
+from ..base import running
 from ..patching.wrappers import OpWrapper, switch
 from ..precision import master
 from . import leaves
@@ -27,7 +28,7 @@ def _clip_targets() -> List[Tuple[Any, str]]:
 def _make_clip_patch(amp: Any):
     def clip(wrapped, instance, args, kwargs):
         run = amp.run
-        if run is None or session.current() is not amp:
+        if run is None or running.session() is not amp:
             return wrapped(*args, **kwargs)
         transfer_all(run)
         if args:
@@ -64,9 +65,9 @@ def ensure_patches(amp: Any) -> None:
     run = run_of(amp)
     run.refresh_plain()
     items = []
-    if run.plain or amp.props.patch_torch_functions:
+    if run.plain or amp.config.patch_torch_functions:
         items.append((torch.Tensor, "backward", make_backward_patch(amp)))
-    if any(s.active for s in run.scalers) or amp.props.master_weights:
+    if any(s.active for s in run.scalers) or amp.config.master_weights:
         items += [(owner, name, _make_clip_patch(amp)) for owner, name in _clip_targets()]
     amp.patch(items)  # skips what is patched already
 

@@ -17,37 +17,24 @@ last growth. A static scaler never changes its scale. A static scale of 1.0 is
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from typing import Any, Deque, Dict, List, Tuple, Union
 
-#: the defaults of Apex and ``torch.amp.GradScaler``
-DEFAULTS: Dict[str, Any] = dict(
-    init_scale=2.0**16,
-    growth_factor=2.0,
-    backoff_factor=0.5,
-    growth_interval=2000,
-    hysteresis=1,
-    min_loss_scale=1.0,
-    max_loss_scale=2.0**24,
-)
+from ..config import ScalerConfig
+
+#: the defaults of Apex and ``torch.amp.GradScaler`` (``config.ScalerConfig``'s)
+DEFAULTS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ScalerConfig)
+                            if f.name not in ("loss_scale", "num_losses", "max_consecutive_skips")}
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    return float(value)
+
 
 #: how many updates ``history`` keeps (a long run must not grow memory)
 HISTORY_LENGTH = 10_000
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={value!r} must be a number")
-    v = float(value)
-    if math.isnan(v) or math.isinf(v):
-        raise ValueError(f"{name}={value!r} must be finite")
-    return v
-
-
-def _count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    return value
 
 
 class LossScaler:
@@ -85,34 +72,18 @@ class LossScaler:
         min_loss_scale: float = DEFAULTS["min_loss_scale"],
         max_loss_scale: float = DEFAULTS["max_loss_scale"],
     ):
-        self.dynamic = loss_scale == "dynamic"
-        if not self.dynamic:
-            loss_scale = _number("loss_scale", loss_scale)
-            if loss_scale <= 0:
-                raise ValueError(f"loss_scale={loss_scale!r} must be > 0")
-        self.growth_factor = _number("growth_factor", growth_factor)
-        if self.growth_factor <= 1.0:
-            raise ValueError(f"growth_factor={growth_factor!r} must be > 1 (the scale grows by it)")
-        self.backoff_factor = _number("backoff_factor", backoff_factor)
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor={backoff_factor!r} must be in (0, 1) (the scale shrinks by it)")
-        self.growth_interval = _count("growth_interval", growth_interval)
-        self.hysteresis = _count("hysteresis", hysteresis)
-        self.min_scale = _number("min_loss_scale", min_loss_scale)
-        if self.min_scale <= 0:
-            raise ValueError(f"min_loss_scale={min_loss_scale!r} must be > 0")
-        self.max_scale = _number("max_loss_scale", max_loss_scale)
-        if self.max_scale < self.min_scale:
-            raise ValueError(f"max_loss_scale={max_loss_scale!r} must be >= min_loss_scale={min_loss_scale!r}")
-        init = _number("init_scale", init_scale)
-        if init <= 0:
-            raise ValueError(f"init_scale={init_scale!r} must be > 0")
-        if self.dynamic and not self.min_scale <= init <= self.max_scale:
-            raise ValueError(
-                f"init_scale={init_scale!r} must lie in [min_loss_scale, max_loss_scale] = "
-                f"[{self.min_scale!r}, {self.max_scale!r}]"
-            )
-        self.scale: float = init if self.dynamic else loss_scale
+        # the rules are ScalerConfig's, written once; a ConfigError is a ValueError
+        cfg = ScalerConfig(loss_scale, init_scale=init_scale, growth_factor=growth_factor,
+                           backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis,
+                           min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
+        self.dynamic = cfg.dynamic
+        self.growth_factor = float(cfg.growth_factor)
+        self.backoff_factor = float(cfg.backoff_factor)
+        self.growth_interval = cfg.growth_interval
+        self.hysteresis = cfg.hysteresis
+        self.min_scale = float(cfg.min_loss_scale)
+        self.max_scale = float(cfg.max_loss_scale)
+        self.scale: float = float(cfg.init_scale) if self.dynamic else float(cfg.loss_scale)
         self.growth_tracker = 0  # clean updates since the last change (Apex's "unskipped")
         self.hysteresis_left = self.hysteresis
         self.steps = 0  # updates, one per optimizer step this loss fed
@@ -121,6 +92,11 @@ class LossScaler:
         self.skips_at_min = 0  # consecutive overflows with the scale already at its floor
         #: ``(step, scale used, skipped)`` for the last ``HISTORY_LENGTH`` updates
         self.history: Deque[Tuple[int, float, bool]] = collections.deque(maxlen=HISTORY_LENGTH)
+
+    @classmethod
+    def from_config(cls, config: ScalerConfig) -> "LossScaler":
+        """A scaler with ``config``'s form and dynamics."""
+        return cls(config.loss_scale, **{k: getattr(config, k) for k in DEFAULTS})
 
     @property
     def active(self) -> bool:

@@ -24,7 +24,6 @@ delay_unscale=True)`` keeps Apex's meaning: that exit leaves the gradients
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import time
@@ -33,8 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import diagnostics
-from ..errors import OverflowLoopError, StateError
-from ..options import SESSION_WIDE, Options
+from ..base.errors import OverflowLoopError, StateError
+from ..config import AmpConfig
 from ..precision import master
 from .scaler import LossScaler
 
@@ -150,21 +149,21 @@ class Run:
         self.inv: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
         self.undecided = False  # something awaits a transfer or a skip decision
         self.plain = False  # the patched backward has work to do
-        self.notices = _Notices(amp.options.verbosity)
+        self.notices = _Notices(amp.config.verbosity)
         self.warned_foreign = False  # said once that a backward reached an unattached optimizer's parameters
         self.round: set = set()  # ids of the handles that stepped in this round (``count_unscaled``)
-        self.configure(amp.options)
+        self.configure(amp.config)
 
-    def new_scaler(self, opts: Options) -> LossScaler:
-        return LossScaler(self.amp.props.loss_scale, **opts.scaler_kwargs())
+    def new_scaler(self, config: AmpConfig) -> LossScaler:
+        return LossScaler.from_config(config.scaler)
 
-    def configure(self, opts: Options, scalers: Optional[List[LossScaler]] = None) -> None:
-        """Take the session's options: the loss scalers (``scalers``, else
-        ``opts.num_losses`` new ones), the skip limit, the notices' verbosity."""
-        self.scalers[:] = scalers if scalers is not None else [self.new_scaler(opts) for _ in range(opts.num_losses)]
+    def configure(self, config: AmpConfig, scalers: Optional[List[LossScaler]] = None) -> None:
+        """Take the session's settings: the loss scalers (``scalers``, else
+        ``config.scaler.num_losses`` new ones), the skip limit, the notices' verbosity."""
+        self.scalers[:] = scalers if scalers is not None else [self.new_scaler(config) for _ in range(config.scaler.num_losses)]
         self.amp.scalers[:] = self.scalers  # what diagnostics reads
-        self.max_skips = opts.max_consecutive_skips
-        self.notices.verbosity = opts.verbosity
+        self.max_skips = config.scaler.max_consecutive_skips
+        self.notices.verbosity = config.verbosity
         self.refresh_plain()
 
     def count_unscaled(self, h: Handle) -> None:
@@ -515,16 +514,16 @@ class _Restore:
     """Undo of ``restart``: the session's options and loss scalers as they were."""
 
     def __init__(self, amp: Any):
-        self.amp, self.options = amp, amp.options
+        self.amp, self.config = amp, amp.config
         self.scalers = list(amp.run.scalers) if amp.run is not None else None
 
     def __call__(self) -> None:
-        self.amp.options = self.options
+        self.amp.config = self.config
         if self.amp.run is not None and self.scalers is not None:
-            self.amp.run.configure(self.options, self.scalers)
+            self.amp.run.configure(self.config, self.scalers)
 
 
-def restart(amp: Any, options: Options) -> None:
+def restart(amp: Any, call: AmpConfig) -> None:
     """Apex's rule for a later ``amp.initialize``: its session-wide options are
     the run's from now on, and the loss scalers start anew from them.
 
@@ -539,11 +538,9 @@ def restart(amp: Any, options: Options) -> None:
         except OverflowLoopError:
             pass  # the skip decision is made; the new scalers start over
     amp.undo.push(_Restore(amp))
-    amp.options = dataclasses.replace(
-        amp.options, **{k: getattr(options, k) for k in SESSION_WIDE if k in options.given}
-    )
+    amp.config = amp.config.with_session_options(call)
     if run is not None:
-        run.configure(amp.options)
+        run.configure(amp.config)
 
 
 def add_losses(amp: Any, n: int) -> None:
@@ -553,8 +550,8 @@ def add_losses(amp: Any, n: int) -> None:
     if len(run.scalers) >= n:
         return
     amp.undo.push(_Restore(amp))
-    amp.options = dataclasses.replace(amp.options, num_losses=n)
-    run.configure(amp.options, run.scalers + [run.new_scaler(amp.options) for _ in range(n - len(run.scalers))])
+    amp.config = amp.config.replace(num_losses=n)
+    run.configure(amp.config, run.scalers + [run.new_scaler(amp.config) for _ in range(n - len(run.scalers))])
 
 
 def _on_overflow(run: Run, loss_id: int, scaler: LossScaler, before: float) -> None:

@@ -40,6 +40,18 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_hooks", "_lo
 _KWARG_SETS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
+#: hook classes every copy drops, whoever installed them (``drop_on_copy``)
+_DROPPED: tuple = ()
+
+
+def drop_on_copy(*hook_types: type) -> None:
+    """Have every copy of a model drop hooks of ``hook_types`` (amp_patch's
+    own hooks from outside the model conversion: the forward tracking of
+    ``run.flight``)."""
+    global _DROPPED
+    _DROPPED = _DROPPED + tuple(t for t in hook_types if t not in _DROPPED)
+
+
 class Plan:
     """For one converted model: where each tensor's FP32 value comes from."""
 
@@ -48,7 +60,7 @@ class Plan:
         self.fp32_value = fp32_value  # a parameter's exact FP32 value, or None
         self.exact_buffer = exact_buffer  # a buffer's exact value from before the cast, or None
         self.dtypes = dtypes  # id(parameter), or (id(module), buffer name) -> dtype before initialize
-        self.hook_types = hook_types  # amp_patch's hook classes, dropped from copies
+        self.hook_types = hook_types  # amp_patch's hook classes, dropped from copies (with ``drop_on_copy``'s)
 
 
 class _DeepCopy:
@@ -121,7 +133,7 @@ def _to_fp32(old_root: nn.Module, new_root: nn.Module, plan: Plan, memo: dict) -
             hooks = getattr(new, attr, None)
             if not hooks:
                 continue
-            for key in [k for k, h in hooks.items() if isinstance(getattr(h, "hook", h), plan.hook_types)]:
+            for key in [k for k, h in hooks.items() if isinstance(getattr(h, "hook", h), plan.hook_types + _DROPPED)]:
                 del hooks[key]
                 for kw in _KWARG_SETS:
                     getattr(new, kw, {}).pop(key, None)

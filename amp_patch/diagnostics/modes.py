@@ -29,9 +29,9 @@ import torch
 import wrapt
 from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
-from .. import frames
+from ..base import frames
 
-from . import wrappers
+from ..patching import wrappers
 from ..oplists import NAMESPACES, OPERATOR_FORMS
 
 Observer = Callable[[Any, tuple, dict, Any], None]

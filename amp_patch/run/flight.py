@@ -26,8 +26,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.compiler import is_compiling
 
-from . import copies
-from .errors import StateError
+from ..base.errors import StateError
+from ..precision import copies
 
 #: how long initialize/deinitialize wait for other threads' work in flight
 WAIT_SECONDS = 60.0
@@ -176,8 +176,9 @@ class ForwardEnd:
             s.flight.leave()
 
 
-#: the hooks ``watch`` adds: a copy of the model drops them (copies.py)
+#: the hooks ``watch`` adds: a copy of any model drops them (``precision.copies``)
 HOOK_TYPES = (ForwardStart, ForwardEnd)
+copies.drop_on_copy(*HOOK_TYPES)
 
 
 class _Unwatch:

@@ -1,0 +1,127 @@
+"""The running session: one object while initialized, ``None`` otherwise
+(``base.running`` holds which).
+
+A ``Session`` owns everything one ``initialize`` (and any later ones that join
+it) changed: function patches, model conversions, optimizer method patches,
+the forward tracking hooks, the op ledger, the overflow watch. Each change is
+pushed onto the process's undo stack (``base.undo``) under the session's name
+as it is made; ``deinitialize`` unwinds the session's entries, newest first,
+and a failing ``initialize`` pops them back to the mark it took when it
+started (``run.plan``), so the first call and every later one leave nothing
+behind.
+
+Every installable piece follows the same protocol: a function that makes its
+change and pushes the callable that undoes it (``session.undo.push(undo)``), in
+the same step, before anything else can fail.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+
+import torch
+
+from ..base import running
+from ..base.undo import Owned
+from ..config import AmpConfig
+from ..oplists import Entry
+from ..patching.cast import CastCache
+from ..patching.registry import Patcher, PatchItem
+from ..patching.wrappers import Live
+from .flight import InFlight
+
+if TYPE_CHECKING:
+    from ..diagnostics.stats import Ledger
+    from ..precision.model import Conversion
+    from ..scaling.scaler import LossScaler
+    from ..scaling.state import Handle, Run
+
+
+class _Trim:
+    """Undo of ``Session.extend``: the list back to its old length."""
+
+    def __init__(self, items: List[object], n: int):
+        self.items, self.n = items, n
+
+    def __call__(self) -> None:
+        del self.items[self.n:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Provisional:
+    """What a session the launcher (or ``amp_patch.auto``) started hands on to
+    the script's own ``initialize`` that replaces it, unless that call names its own."""
+
+    half_dtype: Optional[torch.dtype] = None
+    lists: Optional[Sequence[object]] = None
+    cast_model_outputs: Optional[torch.dtype] = None
+
+
+class Session:
+    """What ``initialize`` set up, until ``deinitialize``."""
+
+    def __init__(self, config: AmpConfig, table: Optional[Dict[tuple, Entry]], device_type: str):
+        #: the settings of the run: the first initialize's, session-wide options
+        #: as Apex's later ``amp.initialize`` calls reset them (``scaling.state.restart``)
+        self.config: AmpConfig = config
+        #: {(namespace, name): Entry} in force, or None at O0/O2/O3/O5
+        self.table: Optional[Dict[tuple, Entry]] = table
+        self.device_type: str = device_type
+        #: this session's entries on the process's undo stack
+        self.undo: Owned = Owned(self)
+        #: the registry of patched attributes, each batch pushed onto ``undo``
+        self.patcher: Patcher = Patcher(self.undo)
+        self.cache: CastCache = CastCache()
+        self.live: Live = Live()  # turned off at the end: stray wrappers then call straight through
+        self.flight: InFlight = InFlight()  # forwards, backwards and steps in flight, per thread
+        self.models: List[torch.nn.Module] = []
+        self.optimizers: List[torch.optim.Optimizer] = []
+        #: one conversion record per converted or hooked model
+        self.model_records: List["Conversion"] = []
+        self.optimizer_handles: Dict[int, "Handle"] = {}  # id(optimizer) -> its scaling handle
+        self.run: Optional["Run"] = None  # the loss scalers and this step's flags
+        self.scalers: List["LossScaler"] = []  # one per loss id (the run's)
+        self.ledger: Optional["Ledger"] = None  # when collect_stats=True
+        #: cast_policy="auto": half-list matmuls under this many FLOPs stay FP32 (0: all cast)
+        self.min_flops: float = 0.0
+        #: set by the launcher (or amp_patch.auto) on the session it started: a
+        #: script's own initialize replaces it, keeping these settings
+        self.provisional: Optional[Provisional] = None
+
+    def holds(self, model: torch.nn.Module) -> bool:
+        """True when ``model`` was passed to an ``initialize`` of this session."""
+        return any(model is m for m in self.models)
+
+    def handle_of(self, optimizer: torch.optim.Optimizer) -> Optional["Handle"]:
+        """``optimizer``'s scaling handle while it is attached (loss scaling, masters), else None."""
+        h = self.optimizer_handles.get(id(optimizer))
+        return h if h is not None and h.optimizer is optimizer and h.patched else None
+
+    def attached(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True when ``optimizer`` is attached to this session."""
+        return self.handle_of(optimizer) is not None
+
+    def patch(self, items: Sequence[PatchItem]) -> None:
+        """Patch each ``(owner, name, make_wrapper)`` not patched yet, all or nothing, and push the undo."""
+        self.patcher.apply(items)
+
+    def unpatch_functions(self) -> None:
+        """Take this session's function patches off, keeping the rest of it
+        (Apex's ``handle._deactivate()``)."""
+        self.patcher.unpatch_all()
+
+    def extend(self, items: List[object], new: Sequence[object]) -> None:
+        """Append ``new`` to one of the session's lists, and push the undo."""
+        self.undo.push(_Trim(items, len(items)))
+        items.extend(new)
+
+    def end(self) -> None:
+        """Undo everything, newest first; the session is over even if an undo failed."""
+        try:
+            self.undo.pop_to(0)
+        finally:
+            self.live.on = False
+            self.cache.clear()
+            self.flight.ended = True
+            if running.session() is self:
+                running.set_session(None)
