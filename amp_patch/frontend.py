@@ -55,20 +55,39 @@ def initialize(
         opt_level: ``"O0"`` (FP32) ... ``"O5"``, with apex.amp's meanings;
             O4/O5 are the BF16 forms of O1/O2.
         half_dtype: ``torch.float16`` / ``torch.bfloat16`` (or their names);
-            default FP16 for a CUDA model and BF16 for a CPU model.
+            default ``$AMP_PATCH_HALF_DTYPE``, else FP16 for a CUDA model
+            and BF16 for a CPU model.
         lists: op-list overrides: a YAML path, a dict, or a list of them
             (``$AMP_PATCH_LISTS`` adds more).
         verbosity: 0 silences amp_patch's informational messages (default 1).
-        **overrides: apex.amp property overrides (``cast_model_type``,
-            ``patch_torch_functions``, ``keep_batchnorm_fp32``,
-            ``master_weights``, ``loss_scale``, ``cast_model_outputs``) and the
-            options in ``amp_patch.config.EXTRA_OPTIONS`` (loss scaler settings, ``keep_fp32``,
-            ``collect_stats``, ``find_overflow``, ``fused_update`` (O2/O5:
-            the compiled one-pass step where the default one-pass C step,
-            ``amp_patch.precision.kernel``, cannot go), ``cast_policy``
-            (``"parity"``, autocast's casts, the default; ``"auto"``: matmuls
-            too small for the half dtype to win stay FP32, see
-            ``amp_patch.patching.costs``), ...).
+        **overrides: the options of ``amp_patch.config.AmpConfig`` (every
+            name in ``amp_patch.config.OPTIONS``; ``amp_patch.config.parse``
+            checks them):
+
+            - apex.amp's property overrides: ``cast_model_type``,
+              ``patch_torch_functions``, ``keep_batchnorm_fp32``,
+              ``master_weights``, ``loss_scale`` (``"dynamic"`` or a number),
+              ``cast_model_outputs``;
+            - the loss scaler: ``num_losses``, ``init_scale``,
+              ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+              ``hysteresis``, ``min_loss_scale``, ``max_loss_scale``,
+              ``max_consecutive_skips``;
+            - the session: ``collect_stats`` (the op ledger),
+              ``find_overflow`` (overflow provenance), ``cast_policy``
+              (``"parity"``, autocast's casts, the default; ``"auto"``:
+              matmuls too small for the half dtype to win stay FP32, see
+              ``amp_patch.patching.costs``);
+            - this call's models and optimizers: ``keep_fp32`` (module-name
+              patterns or a filter kept FP32 at O2/O3/O5), ``save_dtype``
+              (the dtype ``state_dict()`` saves), ``fused_update`` (O2/O5:
+              the compiled one-pass step where the default one-pass C step,
+              ``amp_patch.precision.kernel``, cannot go), ``enabled``
+              (apex.amp's: False hands everything back unchanged),
+              ``allow_half_params`` (O1/O4: step FP16/BF16 parameters as
+              they are).
+
+            The first ``initialize`` sets the session's options; a later
+            one that names another value is refused.
 
     Returns:
         ``(models, optimizers)`` in the structure they were given, or just the

@@ -181,18 +181,19 @@ FLOORS = [
     {"config"},  # AmpConfig and the opt-level presets
     {"oplists", "patching", "diagnostics", "precision", "scaling"},  # the mechanisms
     {"run"},  # the session and initialize's plan
-    {"face"},  # the root's public modules: frontend, amp, auto
+    {"face"},  # the root's public modules: frontend, auto
     {"apex", "frontends"},  # Apex's API and the launcher, built on the public face
 ]
-#: root modules that may stand anywhere: the package's re-exports and ``python -m``
-ENTRY_POINTS = {"amp_patch", "amp_patch.__main__"}
+#: root modules that may stand anywhere: the package's re-exports, ``python -m`` and ``import amp_patch.auto`` (the launcher)
+ENTRY_POINTS = {"amp_patch", "amp_patch.__main__", "amp_patch.auto"}
 
 
 def _group(mod):
     parts = mod.split(".")
     if len(parts) > 1 and (ROOT / "amp_patch" / parts[1]).is_dir():
         return parts[1]
-    return "face"
+    # amp_patch.amp is apex.amp's API, built on the Apex stand-ins: it stands with them
+    return "apex" if mod == "amp_patch.amp" else "face"
 
 
 def test_imports_inside_the_package_go_one_way():

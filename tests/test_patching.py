@@ -453,7 +453,7 @@ def test_second_initialize_adds_models_without_stacking_wrappers():
         (dict(opt_level="01"), ConfigError, "the letter O, not zero"),
         (dict(opt_level="O1", keep_batchnorm=True), ConfigError, "did you mean 'keep_batchnorm_fp32'"),
         (dict(opt_level="O1", half_dtype=torch.float64), ConfigError, "half_dtype=torch.float64 is not supported"),
-        (dict(opt_level="O1", loss_scale=-1), ConfigError, "loss_scale=-1 must be 'dynamic' or a positive"),
+        (dict(opt_level="O1", loss_scale=-1), ConfigError, "loss_scale=-1 is not a loss scale; use 'dynamic' or a positive"),
         (dict(opt_level="O1", loss_scale="big"), ConfigError, "loss_scale='big'"),
         (dict(opt_level="O1", master_weights=True), ConfigError, "these models are all FP32, so FP32 master weights would copy them for nothing"),
         (dict(opt_level="O2", cast_model_type=torch.float32), ConfigError, "master_weights=True with cast_model_type=torch.float32 makes no sense"),

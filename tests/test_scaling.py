@@ -533,7 +533,7 @@ def test_state_dict_is_apex_shaped_and_apex_checkpoints_load():
 
 
 def test_calls_in_the_wrong_order_raise_state_errors(monkeypatch):
-    monkeypatch.setattr(session, "_ended", None)  # before any run (after one, counters() gives its figures)
+    monkeypatch.setattr(running, "_ended", None)  # before any run (after one, counters() gives its figures)
     model = Scale()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for call in (lambda: amp_patch.state_dict(), lambda: amp_patch.load_state_dict({}),

@@ -59,7 +59,7 @@ def test_a_later_initialize_without_keep_fp32_does_not_get_the_first_calls():
 
 
 @pytest.mark.parametrize("option, value, running", [
-    ("num_losses", 3, 1), ("min_loss_scale", 2.0, None), ("collect_stats", True, False), ("verbosity", 0, 1),
+    ("num_losses", 3, 1), ("min_loss_scale", 2.0, 1.0), ("collect_stats", True, False), ("verbosity", 0, 1),
 ])
 def test_a_later_initialize_naming_a_different_session_option_is_refused_and_changes_nothing(option, value, running):
     m1, o1 = _pair()

@@ -249,7 +249,7 @@ def test_a_users_mode_entered_later_survives_deinitialize():
 
 
 def test_report_and_reset_need_initialize(monkeypatch):
-    monkeypatch.setattr(session, "_ended", None)  # no run has ended in this process
+    monkeypatch.setattr(running, "_ended", None)  # no run has ended in this process
     with pytest.raises(StateError, match=r"amp_patch.report\(\) has no run to report on yet: call it after "
                                          r"amp_patch.initialize"):
         amp_patch.report()

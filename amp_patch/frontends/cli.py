@@ -33,7 +33,7 @@ from .. import __version__
 from ..base.errors import AmpError
 from ..oplists import view
 from ..patching import wrappers
-from ..config import parse_dtype
+from ..config import OPT_LEVELS, PRESETS, parse_dtype
 from . import launcher, scan
 
 PROG = "amp-patch"
@@ -72,7 +72,9 @@ def _run_parser() -> argparse.ArgumentParser:
         "the script path is passed to the script. Each option defaults to its environment variable.",
         allow_abbrev=False,
     )
-    p.add_argument("--opt-level", metavar="O0..O5", help="opt level (default $AMP_PATCH_OPT_LEVEL, else O1)")
+    levels = "; ".join(f"{lv}: {preset.does}" for lv, preset in PRESETS.items())
+    p.add_argument("--opt-level", metavar=f"{OPT_LEVELS[0]}..{OPT_LEVELS[-1]}",
+                   help=f"opt level ({levels}; default $AMP_PATCH_OPT_LEVEL, else O1)")
     p.add_argument("--half-dtype", metavar=HALF_CHOICES, help="low-precision dtype (default $AMP_PATCH_HALF_DTYPE, else FP16 on CUDA, BF16 on CPU)")
     p.add_argument("--lists", metavar="FILE.yaml", action="append", default=[], help="op-list override; repeatable (added to $AMP_PATCH_LISTS)")
     p.add_argument("--loss-scale", metavar="dynamic|FLOAT", help="loss scale (default $AMP_PATCH_LOSS_SCALE, else the opt level's)")

@@ -28,8 +28,10 @@ DEFAULTS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Scaler
                             if f.name not in ("loss_scale", "num_losses", "max_consecutive_skips")}
 
 def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r} must be a number")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be finite")
     return float(value)
 
 
