@@ -94,22 +94,22 @@ def _passthrough() -> bool:
 
 
 def initialize(
-    models: Any,
-    optimizers: Any = None,
+    models: object,
+    optimizers: object = None,
     enabled: bool = True,
     opt_level: str = "O1",
-    cast_model_type: Any = None,
-    patch_torch_functions: Any = None,
-    keep_batchnorm_fp32: Any = None,
-    master_weights: Any = None,
-    loss_scale: Any = None,
-    cast_model_outputs: Any = None,
+    cast_model_type: object = None,
+    patch_torch_functions: object = None,
+    keep_batchnorm_fp32: object = None,
+    master_weights: object = None,
+    loss_scale: object = None,
+    cast_model_outputs: object = None,
     num_losses: int = 1,
     verbosity: int = 1,
     min_loss_scale: Optional[float] = None,
     max_loss_scale: float = 2.0**24,
     *,
-    half_dtype: Any = None,
+    half_dtype: object = None,
 ) -> Any:
     """apex.amp.initialize: the same arguments, the same return value.
 
@@ -187,7 +187,7 @@ def initialize(
     return out
 
 
-def _edited_lists(opt_level: Any, patch_torch_functions: Any) -> Any:
+def _edited_lists(opt_level: object, patch_torch_functions: object) -> object:
     """The op-list override the script's edits of ``amp.lists`` amount to, for
     a level that patches functions (elsewhere Apex's lists did nothing either),
     after the launcher's own lists when it runs the script."""
@@ -211,9 +211,9 @@ def _edited_lists(opt_level: Any, patch_torch_functions: Any) -> Any:
 
 def scale_loss(
     loss: torch.Tensor,
-    optimizers: Any,
+    optimizers: object,
     loss_id: int = 0,
-    model: Any = None,
+    model: object = None,
     delay_unscale: bool = False,
     delay_overflow_check: bool = False,
 ):

@@ -16,21 +16,23 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, ContextManager, Iterator, List
+from typing import Any, ContextManager, Iterator, List, Optional, Union
 
 import torch
 
 from .. import frontend
 from ..base import running
+from ..run.session import Session
 from ..scaling import master_params as _masters
 from ..scaling import state as scaling_state
+from ..scaling.scaler import LossScaler
 
 log = logging.getLogger("amp_patch")
 
 __all__ = ["AmpState", "Properties", "ScalerView", "master_params", "maybe_print", "warn_or_err", "_amp_state"]
 
 
-def _running(what: str) -> Any:
+def _running(what: str) -> "Session":
     amp = running.session()
     if amp is None:
         # AttributeError keeps Apex's `hasattr(_amp_state, "loss_scalers")` test working
@@ -41,7 +43,7 @@ def _running(what: str) -> Any:
 
 
 #: each running loss scaler's Apex ``_overflow_buf``, made on first use
-_OVERFLOW_BUFS: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
+_OVERFLOW_BUFS: "weakref.WeakKeyDictionary[LossScaler, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 class ScalerView:
@@ -63,7 +65,7 @@ class ScalerView:
     def __init__(self, index: int):
         self._index = index
 
-    def _scaler(self) -> Any:
+    def _scaler(self) -> "LossScaler":
         run = scaling_state.run_of(_running("loss_scalers"))
         if self._index >= len(run.scalers):
             raise IndexError(
@@ -80,7 +82,7 @@ class ScalerView:
         return self._scaler().scale
 
     @_loss_scale.setter
-    def _loss_scale(self, value: Any) -> None:
+    def _loss_scale(self, value: Union[float, torch.Tensor]) -> None:
         scaler = self._scaler()
         value = float(value.item() if isinstance(value, torch.Tensor) else value)
         if not value > 0 or value == float("inf"):
@@ -114,7 +116,7 @@ class ScalerView:
         return self._scaler().growth_interval
 
     @_scale_seq_len.setter
-    def _scale_seq_len(self, value: Any) -> None:
+    def _scale_seq_len(self, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"_scale_seq_len={value!r}: the growth interval must be an int >= 1")
         self._scaler().growth_interval = value
@@ -194,7 +196,7 @@ class Properties:
             return getattr(_running("opt_properties").config, name)
         raise AttributeError(f"'Properties' object has no attribute {name!r}")
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(
             f"opt_properties.{name} cannot be changed after amp.initialize; pass {name}={value!r} to amp.initialize"
         )
@@ -214,10 +216,10 @@ class Handle:
 
     has_cache = True
 
-    def __init__(self, amp: Any = None):
+    def __init__(self, amp: Optional["Session"] = None):
         self._amp = amp
 
-    def _session(self) -> Any:
+    def _session(self) -> Optional["Session"]:
         """The handle's session while it runs, else None."""
         amp = running.session()
         return amp if self._amp is None or amp is self._amp else None

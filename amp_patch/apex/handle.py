@@ -16,13 +16,14 @@ they are before ``amp.initialize``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from .. import frontend, oplists
 from ..base import running
 from ..base.errors import ConfigError, StateError
+from ..run.session import Session
 from ..scaling import scale_loss as _scale_loss
 from ..scaling import state as scaling_state
 from . import lists as apex_lists
@@ -42,12 +43,12 @@ def _banned_as_float() -> dict:
 
 def init(
     enabled: bool = True,
-    loss_scale: Any = "dynamic",
+    loss_scale: object = "dynamic",
     enable_caching: bool = True,
     verbose: bool = False,
     allow_banned: bool = False,
     *,
-    half_dtype: Any = None,
+    half_dtype: object = None,
 ) -> "AmpHandle | NoOpHandle":
     """apex.amp.init (2018): patch torch's functions for mixed precision and return a handle.
 
@@ -91,7 +92,7 @@ class AmpHandle(Handle):
     Its ``_deactivate()`` ends that run (``deinitialize``).
     """
 
-    def __init__(self, amp: Any):
+    def __init__(self, amp: "Session"):
         super().__init__(amp)
         self._default_scaler_used = True
 
@@ -130,7 +131,7 @@ class NoOpHandle:
         return False
 
     @contextlib.contextmanager
-    def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
+    def scale_loss(self, loss: torch.Tensor, optimizer: object) -> Iterator[torch.Tensor]:
         yield loss
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> "OptimWrapper":
@@ -168,7 +169,7 @@ class OptimWrapper:
         optimizer.step()
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, handle: Any, num_loss: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, handle: "AmpHandle | NoOpHandle", num_loss: int):
         if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
             raise ConfigError(f"wrap_optimizer: num_loss={num_loss!r} must be an integer >= 1")
         self._optimizer = optimizer
@@ -194,7 +195,7 @@ class OptimWrapper:
             yield scaled
         self._loss_idx += 1
 
-    def step(self, closure: Optional[Any] = None) -> Any:
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Step the optimizer (skipped when any of this step's losses overflowed)."""
         self._loss_idx = 0
         if closure is not None and self._amp_handle.is_active():

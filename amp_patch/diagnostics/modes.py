@@ -23,7 +23,7 @@ __amp_patch_frame__ = "machinery"  # frames.py: the op call itself, never its ca
 
 import sys
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 import torch
 import wrapt
@@ -34,7 +34,12 @@ from ..base import frames
 from ..patching import wrappers
 from ..oplists import NAMESPACES, OPERATOR_FORMS
 
-Observer = Callable[[Any, tuple, dict, Any], None]
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from ..run.session import Session
+
+Observer = Callable[[object, tuple, dict, object], None]
 
 # Replaced as a whole, never mutated, so every thread's mode can read it
 # without a lock.
@@ -47,7 +52,7 @@ _WRAPT_TYPES = (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)
 _PREFIX = frames.PACKAGE + "."  # any amp_patch module: the backward and clip patches too
 
 
-def _ours(func: Any) -> bool:
+def _ours(func: object) -> bool:
     """True for a wrapt wrapper amp_patch put on a torch function."""
     if not isinstance(func, _WRAPT_TYPES):
         return False
@@ -125,11 +130,11 @@ def _take_off(mode: TorchFunctionMode) -> None:
 
 # ------------------------------------------------------------------ callers
 
-def caller(depth: int = 1) -> Optional[Any]:
+def caller(depth: int = 1) -> Optional[FrameType]:
     """The frame that made the torch call being handled: the innermost one
     outside torch, wrapt and amp_patch's op machinery (``depth`` frames up
     from the function asking)."""
-    f: Optional[Any] = sys._getframe(depth + 1)
+    f: Optional[FrameType] = sys._getframe(depth + 1)
     while f is not None:
         if not (frames.is_library(f) or frames.is_machinery(f)):
             return f
@@ -141,7 +146,7 @@ def caller(depth: int = 1) -> Optional[Any]:
 is_internal = frames.is_internal
 
 
-def site(frame: Optional[Any]) -> str:
+def site(frame: Optional[FrameType]) -> str:
     """``file:line`` of ``frame``, or ``"?"``."""
     return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
@@ -158,7 +163,7 @@ class OpNames:
     in force (or patched by a registration).
     """
 
-    def __init__(self, amp: Any):
+    def __init__(self, amp: "Session"):
         self.amp = amp
         self._by_id: Optional[Dict[int, Tuple[Tuple[str, str], ...]]] = None
         self._keep: list = []  # keeps the indexed objects (and so their ids) alive
@@ -179,7 +184,7 @@ class OpNames:
                         self._keep.append(obj)
         return by_id
 
-    def names(self, func: Any) -> Tuple[Tuple[str, str], ...]:
+    def names(self, func: object) -> Tuple[Tuple[str, str], ...]:
         if self._by_id is None:
             self._by_id = self._build()
         found = self._by_id.get(id(func))

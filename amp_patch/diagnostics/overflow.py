@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import sys
 import warnings
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 
@@ -28,6 +28,11 @@ from ..patching.wrappers import _GLOBALS as wrappers_globals, _tensors as wrappe
 from ..oplists import NAMESPACES, OPERATOR_FORMS
 from .notices import AmpWarning, stacklevel
 from .stats import dtype_name
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from ..run.session import Session
 
 log = logging.getLogger("amp_patch")
 
@@ -46,11 +51,11 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def _all_finite(obj: Any) -> bool:
+def _all_finite(obj: object) -> bool:
     return all(_finite(t) for t in _tensors(obj) if t.is_floating_point())
 
 
-def _first_non_finite(obj: Any) -> Optional[torch.Tensor]:
+def _first_non_finite(obj: object) -> Optional[torch.Tensor]:
     return next((t for t in _tensors(obj) if t.is_floating_point() and not _finite(t)), None)
 
 
@@ -180,13 +185,13 @@ class Provenance:
 class _OverflowWatch:
     """The hooks and the mode observer that find the first inf/NaN."""
 
-    def __init__(self, amp: Any, once: bool):
+    def __init__(self, amp: "Session", once: bool):
         self.amp = amp
         self.once = once
         self.names = modes.OpNames(amp)
         self.event: Optional[dict] = None
         self.stack: List[Tuple[str, str]] = []  # (module label, class name), innermost last
-        self.handles: List[Any] = []
+        self.handles: List["RemovableHandle"] = []
         self.marks: tuple = ()
         self.last: Optional[Provenance] = None
         self.armed = False
@@ -256,7 +261,7 @@ class _OverflowWatch:
                 self.disarm()
 
     # -- the mode observer (already inside DisableTorchFunction)
-    def _observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _observe(self, func: object, args: tuple, kwargs: dict, out: object) -> None:
         # Only computations of the forward pass: a getter (``p.grad``)
         # computes nothing, and under no_grad the optimizer and the loss
         # scaler handle gradients that may hold inf by design.
@@ -279,7 +284,7 @@ class _OverflowWatch:
                 op, cast = self._op(func)
                 node.register_hook(self._backward_hook(op, cast, self._where()))
 
-    def _op(self, func: Any) -> Tuple[str, bool]:
+    def _op(self, func: object) -> Tuple[str, bool]:
         """The op's public name, and whether it is amp_patch's own cast of an
         input of a patched op (then the name is that op's)."""
         names = self.names.names(func)
@@ -328,7 +333,7 @@ def _release(watch: _OverflowWatch) -> None:
         _watch = None
 
 
-def arm_find_overflow(amp: Any, once: bool = False) -> None:
+def arm_find_overflow(amp: "Session", once: bool = False) -> None:
     """Arm overflow provenance: for every step, or (``once``) for the next one.
 
     Called by ``initialize(..., find_overflow=True)``; ``find_overflow()``
@@ -346,7 +351,7 @@ def arm_find_overflow(amp: Any, once: bool = False) -> None:
     w.arm()
 
 
-def _last_entry(scaler: Any) -> Any:
+def _last_entry(scaler: object) -> Optional[Tuple[int, float, bool]]:
     rows = getattr(scaler, "history", None)
     try:
         return history_entry(rows[-1]) if rows else None
@@ -354,7 +359,7 @@ def _last_entry(scaler: Any) -> Any:
         return None
 
 
-def _scaler_step(scaler: Any) -> Optional[int]:
+def _scaler_step(scaler: object) -> Optional[int]:
     last = _last_entry(scaler)
     if last is None:
         return None if getattr(scaler, "history", None) is None else 0
@@ -362,7 +367,7 @@ def _scaler_step(scaler: Any) -> Optional[int]:
     return last[0] if last[2] else last[0] + 1
 
 
-def on_skipped_step(amp: Any, loss_id: int, scaler: Any) -> Optional[Provenance]:
+def on_skipped_step(amp: "Session", loss_id: int, scaler: object) -> Optional[Provenance]:
     """Called by the loss scaler when it skips a step for inf/NaN gradients.
 
     With overflow provenance armed, warns (``AmpWarning``) naming the first
@@ -384,7 +389,7 @@ def on_skipped_step(amp: Any, loss_id: int, scaler: Any) -> Optional[Provenance]
     return prov
 
 
-def last_overflow(amp: Any) -> Optional[Provenance]:
+def last_overflow(amp: "Session") -> Optional[Provenance]:
     """The provenance of the last skipped step found for ``amp``, or None."""
     w = _watch
     return w.last if w is not None and w.amp is amp else None

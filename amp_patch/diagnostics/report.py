@@ -9,7 +9,7 @@ histories with matplotlib, the optional extra ``plot``.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..base import running
 from ..base.errors import StateError
@@ -17,12 +17,16 @@ from .notices import warn_user
 from .overflow import history_entry, last_overflow
 from .stats import dtype_name
 
+if TYPE_CHECKING:
+    from ..run.session import Session
+    from .overflow import Provenance
+
 POLICY_ORDER = ("half", "float", "promote", "sequence_promote")
 
 History = List[Tuple[int, float, bool]]
 
 
-def _current(what: str) -> Any:
+def _current(what: str) -> "Session":
     amp = running.session()
     if amp is None:
         raise StateError(
@@ -34,7 +38,7 @@ def _current(what: str) -> Any:
 
 
 
-def read_history(scaler: Any) -> Optional[History]:
+def read_history(scaler: object) -> Optional[History]:
     """A scaler's ``history`` as ``[(step, scale, skipped), ...]``, or None.
 
     Read defensively: entries of another shape are left out, and a scaler
@@ -46,7 +50,7 @@ def read_history(scaler: Any) -> Optional[History]:
     return [e for e in map(history_entry, list(raw)) if e is not None]
 
 
-def _scalers(amp: Any) -> List[Tuple[int, History, Optional[float]]]:
+def _scalers(amp: "Session") -> List[Tuple[int, History, Optional[float]]]:
     """``(loss_id, history, current scale or None)`` for every loss scaler."""
     out = []
     for i, scaler in enumerate(getattr(amp, "scalers", None) or ()):
@@ -89,7 +93,7 @@ class Report:
     """
 
     def __init__(self, opt_level: str, half_dtype: str, device: str, collecting: bool,
-                 ledger: Dict[str, Any], loss_scale: List[Dict[str, Any]], overflow: Optional[Any]):
+                 ledger: Dict[str, Any], loss_scale: List[Dict[str, Any]], overflow: Optional[Provenance]):
         self.opt_level = opt_level
         self.half_dtype = half_dtype
         self.device = device
@@ -262,7 +266,7 @@ def report() -> Report:
     return last.report
 
 
-def report_of(amp: Any) -> Report:
+def report_of(amp: "Session") -> Report:
     """``report()`` of the session ``amp``."""
     ledger = amp.ledger.to_dict() if amp.ledger is not None else {}
     props = amp.config

@@ -16,7 +16,7 @@ import os
 import sys
 import sysconfig
 import types
-from typing import Any, List, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, List, Sequence, Set, Tuple
 
 import torch
 
@@ -25,6 +25,10 @@ from ..patching.cast import LOW
 from ..patching.wrappers import wrapt_has_c_extension
 from .notices import warn_once
 from .stats import dtype_name
+
+if TYPE_CHECKING:
+    from ..config import AmpConfig
+    from ..run.session import Session
 
 log = logging.getLogger("amp_patch")
 
@@ -46,7 +50,7 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def _uses_half(props: Any) -> bool:
+def _uses_half(props: AmpConfig) -> bool:
     return props.patch_torch_functions or props.cast_model_type in LOW
 
 
@@ -54,7 +58,7 @@ def _model_label(i: int, m: torch.nn.Module) -> str:
     return f"model {i} ({type(m).__name__})"
 
 
-def speed_warnings(props: Any, device_type: str, native_bf16: bool) -> List[str]:
+def speed_warnings(props: AmpConfig, device_type: str, native_bf16: bool) -> List[str]:
     """Half dtypes that run slower than FP32 on this device."""
     if not _uses_half(props) or device_type != "cpu":
         return []
@@ -73,7 +77,7 @@ def speed_warnings(props: Any, device_type: str, native_bf16: bool) -> List[str]
     return []
 
 
-def wrapper_warnings(props: Any, c_extension: bool) -> List[str]:
+def wrapper_warnings(props: AmpConfig, c_extension: bool) -> List[str]:
     """Patched ops built on wrapt's pure-Python fallback, several µs slower per call."""
     if not props.patch_torch_functions or c_extension:
         return []
@@ -87,7 +91,7 @@ def wrapper_warnings(props: Any, c_extension: bool) -> List[str]:
     ]
 
 
-def bf16_weights_warnings(props: Any, device_type: str, gpu_bf16: bool, models: Sequence[torch.nn.Module]) -> List[str]:
+def bf16_weights_warnings(props: AmpConfig, device_type: str, gpu_bf16: bool, models: Sequence[torch.nn.Module]) -> List[str]:
     """FP16 chosen over a model whose weights are already BF16, on a GPU that has BF16."""
     if device_type != "cuda" or props.half_dtype != torch.float16 or not gpu_bf16 or not _uses_half(props):
         return []
@@ -100,7 +104,7 @@ def bf16_weights_warnings(props: Any, device_type: str, gpu_bf16: bool, models: 
     ]
 
 
-def device_warnings(props: Any, models: Sequence[torch.nn.Module]) -> List[str]:
+def device_warnings(props: AmpConfig, models: Sequence[torch.nn.Module]) -> List[str]:
     """Models whose tensors live on more than one device."""
     out = []
     for i, m in enumerate(models):
@@ -114,7 +118,7 @@ def device_warnings(props: Any, models: Sequence[torch.nn.Module]) -> List[str]:
     return out
 
 
-def optimizer_warnings(props: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> List[str]:
+def optimizer_warnings(props: AmpConfig, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> List[str]:
     """Optimizer parameters that are in none of the models (O0/O1/O4)."""
     if not models or props.cast_model_type in LOW:
         return []  # a cast model's own checks handle this at O2/O3/O5
@@ -131,7 +135,7 @@ def optimizer_warnings(props: Any, models: Sequence[torch.nn.Module], optimizers
     return out
 
 
-def coverage_warnings(props: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[Any], covered: Set[int]) -> List[str]:
+def coverage_warnings(props: AmpConfig, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer], covered: Set[int]) -> List[str]:
     """Trainable parameters of a model with FP32 masters (O2/O5) that no optimizer covers.
 
     Only the optimizers' parameters get masters; the others stay half, and no
@@ -158,7 +162,7 @@ def coverage_warnings(props: Any, models: Sequence[torch.nn.Module], optimizers:
     return out
 
 
-def pure_half_warnings(props: Any, optimizers: Sequence[Any]) -> List[str]:
+def pure_half_warnings(props: AmpConfig, optimizers: Sequence[torch.optim.Optimizer]) -> List[str]:
     """Optimizer hyperparameters that are 0 in the half dtype, with no FP32 masters (O3).
 
     Without master weights the optimizer steps the half parameters itself, so
@@ -197,7 +201,7 @@ def _library_dirs() -> Tuple[str, ...]:
 _user_module_cache: dict = {}
 
 
-def _is_user_module(mod: Any, library: Tuple[str, ...]) -> bool:
+def _is_user_module(mod: object, library: Tuple[str, ...]) -> bool:
     path = getattr(mod, "__file__", None)
     name = getattr(mod, "__name__", None) or ""
     if not isinstance(path, str) or name.partition(".")[0] in (frames.PACKAGE, "torch", "wrapt"):
@@ -212,7 +216,7 @@ def _is_user_module(mod: Any, library: Tuple[str, ...]) -> bool:
     return known
 
 
-def captured_functions(amp: Any) -> List[Tuple[str, str, str]]:
+def captured_functions(amp: "Session") -> List[Tuple[str, str, str]]:
     """``(module, name, op)`` for each user-module global that holds an
     original torch function the running AMP patched."""
     originals = {}
@@ -237,7 +241,7 @@ def captured_functions(amp: Any) -> List[Tuple[str, str, str]]:
     return found
 
 
-def captured_warnings(amp: Any) -> List[str]:
+def captured_warnings(amp: "Session") -> List[str]:
     out = []
     for mod, name, op in captured_functions(amp):
         if op.rpartition(".")[2].startswith("clip_grad"):
@@ -255,7 +259,7 @@ def captured_warnings(amp: Any) -> List[str]:
     return out
 
 
-def scripted_warnings(props: Any, models: Sequence[torch.nn.Module]) -> List[str]:
+def scripted_warnings(props: AmpConfig, models: Sequence[torch.nn.Module]) -> List[str]:
     """A ``torch.jit.script``-ed module runs its compiled code, which no Python patch reaches."""
     if not props.patch_torch_functions:
         return []
@@ -273,7 +277,7 @@ def scripted_warnings(props: Any, models: Sequence[torch.nn.Module]) -> List[str
     return out
 
 
-def _stepped(amp: Any, optimizers: Sequence[Any]) -> Set[int]:
+def _stepped(amp: "Session", optimizers: Sequence[torch.optim.Optimizer]) -> Set[int]:
     """Ids of the parameters ``optimizers`` step: their own, and the half model
     parameters their FP32 masters stand in for."""
     ids = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
@@ -283,7 +287,7 @@ def _stepped(amp: Any, optimizers: Sequence[Any]) -> Set[int]:
     return ids
 
 
-def warn_at_initialize(amp: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> None:
+def warn_at_initialize(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Warn once about set-ups that run slower or otherwise than intended.
 
     Called by ``initialize`` after everything is in place; each message is

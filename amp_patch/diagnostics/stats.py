@@ -21,7 +21,7 @@ stack, a lock and a few dict updates per patched call, and every torch call
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
@@ -31,6 +31,9 @@ from ..base import running
 from ..patching.cast import needs_cast
 from ..oplists.schema import is_inplace
 from ..patching.wrappers import switch
+
+if TYPE_CHECKING:
+    from ..run.session import Session
 
 f32 = torch.float32
 
@@ -48,7 +51,7 @@ def dtype_name(dtype: Optional[torch.dtype]) -> str:
     return "-" if dtype is None else str(dtype).replace("torch.", "")
 
 
-def _dtype_of(out: Any) -> Optional[torch.dtype]:
+def _dtype_of(out: object) -> Optional[torch.dtype]:
     """The dtype an op ran in, read from its (first tensor) output."""
     if isinstance(out, torch.Tensor):
         return out.dtype
@@ -102,7 +105,7 @@ class Ledger:
         self._names: Optional[modes.OpNames] = None
 
     # -- called by the wrappers
-    def record(self, qualname: str, policy: str, out: Any, ncasts: int, nbytes: int, kept: str = "") -> None:
+    def record(self, qualname: str, policy: str, out: object, ncasts: int, nbytes: int, kept: str = "") -> None:
         """Count one call of a patched op (called by the casting wrapper); ``kept``:
         why ``cast_policy="auto"`` ran this call of a half-list op in FP32."""
         if not getattr(self._here, "watching", False):
@@ -123,7 +126,7 @@ class Ledger:
                 s.kept += 1
                 s.why = s.why or kept
 
-    def start(self, amp: Any) -> None:
+    def start(self, amp: "Session") -> None:
         """Start watching for unlisted ops on this thread (idempotent).
 
         ``initialize`` may call it once everything is patched, so the first
@@ -153,7 +156,7 @@ class Ledger:
         modes.remove(self._observe)
 
     # -- called by the watching mode for every torch call
-    def _observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _observe(self, func: object, args: tuple, kwargs: dict, out: object) -> None:
         if not isinstance(out, torch.Tensor) or out.dtype is not f32 or switch.off or not torch.is_grad_enabled():
             return
         names = self._names.names(func) if self._names is not None else ()

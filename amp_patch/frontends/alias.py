@@ -29,7 +29,7 @@ import logging
 import sys
 import threading
 import types
-from typing import Any, Optional
+from typing import Optional, Sequence, Union
 
 from .. import amp
 from ..apex.standins import REPLACEMENTS, STANDINS
@@ -70,7 +70,7 @@ def _not_served(fullname: str) -> ModuleNotFoundError:
     return ModuleNotFoundError(f"No module named {fullname!r}: {_hint(fullname)}")
 
 
-def standin_of(fullname: str) -> Any:
+def standin_of(fullname: str) -> Union[str, types.ModuleType, None]:
     """The module name (or, for ``apex.amp``'s submodules, the module) that
     stands in for ``fullname``, or None when amp_patch serves no such module."""
     if fullname.startswith("apex.amp."):
@@ -102,7 +102,7 @@ def standin_module(fullname: str) -> Optional[types.ModuleType]:
         raise  # a stand-in that exists and fails to import: that error is the news
 
 
-def _real_spec(fullname: str, path: Any, finder: Any) -> Any:
+def _real_spec(fullname: str, path: Optional[Sequence[str]], finder: object) -> Optional[importlib.machinery.ModuleSpec]:
     """The spec of a real module of this name, looking past this finder; None
     when there is none, or when a stand-in serves its parent (whose path is
     amp_patch's own, so what is found there is the stand-in's submodule)."""

@@ -42,7 +42,7 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,11 @@ from ..diagnostics import AmpWarning, setup_checks
 from ..diagnostics.stats import dtype_name
 from ..base.errors import ConfigError
 from ..scaling.checkpoint import counters
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import BaseContext
+    from multiprocessing.process import BaseProcess
 
 MODES = ("FP32", "O1", "O2")
 NO_NATIVE_BF16 = (
@@ -394,7 +399,7 @@ def _step_kind(mode: str) -> str:
     return f"{mode}'s optimizer step: the plain step (the one-pass C step is not built here)"
 
 
-def _worker(conn: Any, mode: str, config: Dict[str, Any], device_name: str, threads: int, quiet_bf16: bool) -> None:
+def _worker(conn: "Connection", mode: str, config: Dict[str, Any], device_name: str, threads: int, quiet_bf16: bool) -> None:
     """One mode in a process of its own: warm up, then run the blocks it is sent."""
     torch.set_num_threads(threads)
     device = torch.device(device_name)
@@ -434,7 +439,7 @@ def _worker(conn: Any, mode: str, config: Dict[str, Any], device_name: str, thre
                 return
 
 
-def _context(device: torch.device) -> Any:
+def _context(device: torch.device) -> "BaseContext":
     # fork starts a worker without importing torch again (seconds on a small
     # machine); CUDA cannot be forked, and some platforms have no fork
     if device.type == "cpu" and "fork" in mp.get_all_start_methods():
@@ -459,7 +464,7 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
     """
     ctx = _context(device)
     config = _config(args)
-    workers: Dict[str, Tuple[Any, Any]] = {}
+    workers: Dict[str, Tuple["Connection", "BaseProcess"]] = {}
     results: Dict[str, Result] = {}
     warm: Dict[str, float] = {}
     try:

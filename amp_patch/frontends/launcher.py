@@ -39,7 +39,7 @@ import runpy
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
 
 import torch
 import wrapt
@@ -57,6 +57,9 @@ from ..config import (ENV_HALF_DTYPE, FUNCTION_LEVELS, MODEL_LEVELS, PRESETS, Am
 from ..run.session import Provisional, Session
 from . import alias, scan
 from .outputs import OutermostOutputs
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 log = logging.getLogger("amp_patch")
 
@@ -93,8 +96,8 @@ class Settings:
     def resolve(
         cls,
         opt_level: Optional[str] = None,
-        half_dtype: Any = None,
-        loss_scale: Any = None,
+        half_dtype: object = None,
+        loss_scale: object = None,
         lists: Sequence[str] = (),
         names: Optional[dict] = None,
         outputs: Optional[str] = None,
@@ -118,7 +121,7 @@ class Settings:
         names = names or {}
         sources: Dict[str, str] = {}
 
-        def pick(key: str, value: Any, env: str) -> Tuple[Any, str]:
+        def pick(key: str, value: object, env: str) -> Tuple[object, str]:
             if value is not None:
                 sources[key] = names.get(key, key)
                 return value, sources[key]
@@ -188,7 +191,7 @@ class OptimizerHook:
         self.on_built = on_built
         self._patcher = Patcher(Owned(self))
         self._building = threading.local()
-        self._own_init_subclass: Any = _NOTSET
+        self._own_init_subclass: object = _NOTSET
 
     def install(self) -> None:
         """Start watching optimizer construction; undo with ``uninstall()``.
@@ -315,7 +318,7 @@ class Launch:
         #: (the first forward of any module, whose line they then point at),
         #: and dropped if the script's own initialize replaces that level first
         self._held: List[Tuple[str, type]] = []
-        self._forward_hook: Any = None  # global forward pre-hook that gives the held warnings
+        self._forward_hook: Optional["RemovableHandle"] = None  # global forward pre-hook that gives the held warnings
         #: for the summary: the figures of the last run ended before start(), to tell a new
         #: one from them, and whether the script's own initialize set the last run
         self._ended_before: Optional[running.Ended] = None
@@ -405,7 +408,7 @@ class Launch:
             self._forward_hook.remove()
             self._forward_hook = None
 
-    def _first_forward(self, module: torch.nn.Module, args: Any) -> None:
+    def _first_forward(self, module: torch.nn.Module, args: tuple) -> None:
         self._drop_forward_hook()
         if self._ours():
             self._release_held()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -29,11 +29,14 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from ..base import running
 from ..patching.cast import cast
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
 _state = threading.local()  # .module: the outermost module being called; .depth: its own nesting
 _active: Optional["OutermostOutputs"] = None
 
 
-def _pre(module: torch.nn.Module, args: Any) -> None:
+def _pre(module: torch.nn.Module, args: tuple) -> None:
     guard = _active
     if guard is None:
         return
@@ -46,7 +49,7 @@ def _pre(module: torch.nn.Module, args: Any) -> None:
         _state.depth += 1
 
 
-def _end(module: torch.nn.Module, args: Any, output: Any) -> Any:
+def _end(module: torch.nn.Module, args: tuple, output: object) -> object:
     if getattr(_state, "module", None) is not module:
         return None
     _state.depth -= 1
@@ -72,8 +75,8 @@ class OutermostOutputs:
     """
 
     def __init__(self) -> None:
-        self.hooked: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
-        self.handle: Any = None
+        self.hooked: "weakref.WeakKeyDictionary[torch.nn.Module, RemovableHandle]" = weakref.WeakKeyDictionary()
+        self.handle: Optional["RemovableHandle"] = None
 
     def install(self) -> None:
         global _active

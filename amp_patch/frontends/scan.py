@@ -35,7 +35,7 @@ import inspect
 import textwrap
 import types
 import typing
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from . import alias
 
@@ -221,7 +221,7 @@ class _Instance:
 class _Elements:
     """The elements of a container annotated ``List[X]`` / ``Sequence[X]``: ``X``."""
 
-    def __init__(self, element: Any):
+    def __init__(self, element: object):
         self.element = element
 
 
@@ -229,14 +229,14 @@ class _Unknown(Exception):
     """The next step cannot be told without running: the chain is checked as far as it got."""
 
 
-def _ours(obj: Any) -> bool:
+def _ours(obj: object) -> bool:
     """Whether ``obj`` (or the class of an instance) is amp_patch's: chains are checked only through those."""
     target = obj.cls if isinstance(obj, _Instance) else obj
     module = getattr(target, "__module__", None) or getattr(target, "__name__", "")
     return isinstance(module, str) and module.startswith("amp_patch")
 
 
-def _from_annotation(annotation: Any) -> Any:
+def _from_annotation(annotation: object) -> "_Elements | _Instance":
     """What a value of this type annotation is, for the next step."""
     origin = typing.get_origin(annotation)
     if origin in (list, tuple, typing.List, typing.Sequence) or (
@@ -248,7 +248,7 @@ def _from_annotation(annotation: Any) -> Any:
     raise _Unknown()
 
 
-def _return_of(fn: Any) -> Any:
+def _return_of(fn: object) -> "_Elements | _Instance":
     try:
         hints = typing.get_type_hints(fn)
     except Exception:  # an annotation that does not evaluate: not knowable here
@@ -274,7 +274,7 @@ def _self_attributes(cls: type) -> Set[str]:
     return names
 
 
-def _attribute(obj: Any, name: str) -> Any:
+def _attribute(obj: object, name: str) -> object:
     """The next value of a chain after ``.name``; raises AttributeError when there is none."""
     if isinstance(obj, _Elements):
         raise _Unknown()
@@ -300,7 +300,7 @@ def _attribute(obj: Any, name: str) -> Any:
     return getattr(obj, name)
 
 
-def _settable(obj: Any, name: str) -> None:
+def _settable(obj: object, name: str) -> None:
     """Raise AttributeError("read-only ...") when ``obj.name = value`` would fail:
     a property without a setter, or a class with ``__slots__`` that lacks it."""
     cls = obj.cls if isinstance(obj, _Instance) else obj if isinstance(obj, type) else type(obj)
@@ -316,14 +316,14 @@ def _settable(obj: Any, name: str) -> None:
 class _Bound:
     """A method of an instance not known without running: its function, called without ``self``."""
 
-    def __init__(self, fn: Any):
+    def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
 
 
 _MISSING = object()
 
 
-def _call(obj: Any, step: Step) -> Any:
+def _call(obj: object, step: Step) -> object:
     """The value of calling ``obj`` as ``step`` says; raises TypeError when the call cannot bind."""
     _, n_args, keywords, starred = step
     if isinstance(obj, (_Instance, _Elements)):
@@ -364,7 +364,7 @@ def _splits(dotted: str) -> List[Tuple[str, types.ModuleType, List[str]]]:
     return out
 
 
-def _walk(obj: Any, where: str, steps: List[Step]) -> Tuple[Optional[str], int, str]:
+def _walk(obj: object, where: str, steps: List[Step]) -> Tuple[Optional[str], int, str]:
     """Follow ``steps`` from ``obj``: ``(what serves it, len(steps), "")``, or
     ``(None, index of the step that fails, why)``."""
     for i, step in enumerate(steps):

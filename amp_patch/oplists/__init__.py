@@ -33,13 +33,16 @@ import os
 import types
 from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import yaml
 
 from ..base.errors import ListError
 from .schema import INPLACE_DUNDERS, POLICIES, PROTOCOL_WRITES
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 log = logging.getLogger("amp_patch")
 
@@ -124,7 +127,7 @@ _NOT_OPS = frozenset((
 ))
 
 
-def not_an_op(owner: Any, name: str) -> Optional[str]:
+def not_an_op(owner: object, name: str) -> Optional[str]:
     """Why ``owner.name`` cannot be wrapped as an op although it exists, or None."""
     obj = getattr(owner, name, None)
     if isinstance(obj, type):
@@ -175,7 +178,7 @@ class _Reader:
         finally:
             loader.dispose()
 
-    def read(self, doc: Any, line: Optional[int]) -> None:
+    def read(self, doc: object, line: Optional[int]) -> None:
         items = _items(doc)
         if items is None:
             self.problem(line, "", "must be a mapping of namespaces (e.g. 'torch.nn.functional:') to policies")
@@ -217,7 +220,7 @@ class _Reader:
                 for i, (item, eline) in enumerate(seq):
                     self.read_entry(ns, pol, i, item, eline or pline)
 
-    def read_entry(self, ns: str, pol: str, i: int, item: Any, line: Optional[int]) -> None:
+    def read_entry(self, ns: str, pol: str, i: int, item: object, line: Optional[int]) -> None:
         path = f"{ns}.{pol}[{i}]"
         fields: Dict[str, Any] = {}
         before = len(self.problems)  # every problem of the entry is reported, then it is dropped
@@ -293,7 +296,7 @@ class _Seq(list):
     """A YAML sequence with line numbers: [(value, line), ...]."""
 
 
-def _items(obj: Any) -> Optional[List[Tuple[Any, Any, Optional[int]]]]:
+def _items(obj: object) -> Optional[List[Tuple[Any, Any, Optional[int]]]]:
     if isinstance(obj, _Mapping):
         return list(obj)
     if isinstance(obj, Mapping):
@@ -301,7 +304,7 @@ def _items(obj: Any) -> Optional[List[Tuple[Any, Any, Optional[int]]]]:
     return None
 
 
-def _seq(obj: Any) -> Optional[List[Tuple[Any, Optional[int]]]]:
+def _seq(obj: object) -> Optional[List[Tuple[Any, Optional[int]]]]:
     if isinstance(obj, _Seq):
         return list(obj)
     if isinstance(obj, (list, tuple)) and not isinstance(obj, _Mapping):
@@ -359,7 +362,7 @@ def _read_source(src: ListSource, allow_remove: bool) -> _Reader:
     raise ListError(f"lists= takes a YAML path, a dict, or a list of them; got {type(src).__name__}")
 
 
-def _lists_root() -> Any:
+def _lists_root() -> "Traversable":
     """Where the shipped lists are: the ``amp_patch.lists`` package an install
     makes of the top-level ``lists/``, or that folder itself in a checkout used
     from ``PYTHONPATH`` without installing."""
@@ -386,7 +389,7 @@ def _check_conflicts(entries: Sequence[Entry], problems: List[str]) -> None:
         by_key.setdefault(e.key, []).append(e)
 
 
-def normalize_sources(lists: Any) -> List[ListSource]:
+def normalize_sources(lists: object) -> List[ListSource]:
     """``lists=`` plus ``$AMP_PATCH_LISTS`` as an ordered list of sources."""
     out: List[ListSource] = []
     env = os.environ.get(ENV_VAR, "").strip()
@@ -525,7 +528,7 @@ def collect_problems(sources: Sequence[ListSource], include_defaults: bool = Tru
     return problems, OpTable(tuple(entries) + tuple(_implied_inplace(entries, removed)))
 
 
-def load(lists: Any = None) -> OpTable:
+def load(lists: object = None) -> OpTable:
     """The default lists merged with ``lists=`` and ``$AMP_PATCH_LISTS``.
 
     Raises:

@@ -16,7 +16,7 @@ from __future__ import annotations
 __amp_patch_frame__ = "machinery"  # frames.py: the op call itself, never its caller
 
 import copy
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -90,7 +90,7 @@ class CastCache:
         return out
 
 
-def needs_cast(obj: Any, to: torch.dtype) -> bool:
+def needs_cast(obj: object, to: torch.dtype) -> bool:
     """True if some castable floating tensor in ``obj`` is not already ``to``."""
     if isinstance(obj, Tensor):
         dt = obj.dtype
@@ -106,7 +106,7 @@ def needs_cast(obj: Any, to: torch.dtype) -> bool:
     return False
 
 
-def cast(obj: Any, to: torch.dtype, cache: CastCache | None, stats=None) -> Any:
+def cast(obj: object, to: torch.dtype, cache: CastCache | None, stats=None) -> Any:
     """Return ``obj`` with every castable floating tensor converted to ``to``.
 
     ``stats``, when given, is called as ``stats(nbytes)`` for each cast made
@@ -153,7 +153,7 @@ def cast(obj: Any, to: torch.dtype, cache: CastCache | None, stats=None) -> Any:
     return obj
 
 
-def cast_args(args: Any, to: torch.dtype, cache: CastCache | None) -> list:
+def cast_args(args: Iterable[object], to: torch.dtype, cache: CastCache | None) -> list:
     """``cast`` for a flat argument tuple, with tensors handled inline (the
     casting call path runs this on every call that casts)."""
     convert = CONVERT[to]

@@ -35,7 +35,7 @@ f32 = torch.float32
 from .cast import LOW
 
 
-def _mm(a: Any, b: Any) -> Optional[float]:
+def _mm(a: object, b: object) -> Optional[float]:
     """2 * (rows of a) * (inner) * (columns of b), batch dimensions folded into a's rows."""
     if isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() and b.dim():
         return 2.0 * a.numel() * (b.shape[-1] if b.dim() > 1 else 1)

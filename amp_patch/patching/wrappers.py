@@ -43,7 +43,7 @@ import os
 import sys
 from threading import get_ident
 from types import MethodType, ModuleType
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import wrapt
@@ -53,6 +53,9 @@ from ..oplists.schema import is_inplace
 from . import costs
 from .cast import CASTABLE, CONVERT, LOW, CastCache, cast, cast_args, needs_cast
 from ..base.errors import BannedOpError, CastError
+
+if TYPE_CHECKING:
+    from ..diagnostics.stats import Ledger
 
 f32 = torch.float32
 Tensor = torch.Tensor
@@ -116,7 +119,7 @@ def pop_disabled() -> None:
 _MIXED = object()
 
 
-def _scan(obj: Any, seen: Any) -> Any:
+def _scan(obj: object, seen: object) -> object:
     """Fold the castable dtypes of ``obj`` into ``seen``: None, a dtype, or _MIXED."""
     if isinstance(obj, Tensor):
         dt = obj.dtype
@@ -139,7 +142,7 @@ def _scan(obj: Any, seen: Any) -> Any:
     return seen
 
 
-def _promote_target(obj: Any) -> Optional[torch.dtype]:
+def _promote_target(obj: object) -> Optional[torch.dtype]:
     """The castable dtype ``torch.result_type`` gives the tensors in ``obj``.
 
     Only called on a mix of castable dtypes (the cast path). Dimensioned
@@ -159,7 +162,7 @@ def _promote_target(obj: Any) -> Optional[torch.dtype]:
     return dims if dims is not None else zero
 
 
-def _tensors(obj: Any):
+def _tensors(obj: object) -> Iterator[Tensor]:
     if isinstance(obj, Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -287,10 +290,10 @@ class OpWrapper(wrapt.FunctionWrapper):
     function as ``wrapped`` and its receiver as ``instance``).
     """
 
-    def __init__(self, wrapped: Any, wrapper: Callable) -> None:
+    def __init__(self, wrapped: Callable[..., Any], wrapper: Callable) -> None:
         _WrapperBase.__init__(self, wrapped, None, wrapper, None, "staticmethod")
 
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
+    def __get__(self, obj: object, owner: Optional[type] = None) -> Any:
         # A builtin (torch.mm, F.linear) is no descriptor: kept as a class
         # attribute (``act = torch.tanh``) it stays unbound, as it is unpatched.
         if not hasattr(type(self.__wrapped__), "__get__"):
@@ -309,7 +312,7 @@ class MethodWrapper(OpWrapper):
     arguments to the unbound original.
     """
 
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
+    def __get__(self, obj: object, owner: Optional[type] = None) -> Any:
         return self if obj is None else MethodType(self, obj)
 
 
@@ -319,12 +322,12 @@ class MethodWrapper(OpWrapper):
 def make_wrapper(
     policy: str,
     qualname: str,
-    original: Any,
+    original: Callable[..., Any],
     *,
     method: bool,
     half: torch.dtype,
     cache: Optional[CastCache],
-    ledger: Any = None,
+    ledger: Optional["Ledger"] = None,
     fix: str = "",
     live: Live = ALWAYS,
     min_flops: float = 0.0,

@@ -30,7 +30,7 @@ again with the dtype the model had before ``initialize``.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -92,7 +92,7 @@ class _Reduce:
     def __init__(self, module: nn.Module):
         self.module = module
 
-    def __call__(self, protocol: int) -> Any:
+    def __call__(self, protocol: int) -> Union[str, Tuple[Any, ...]]:
         return copy.deepcopy(self.module).__reduce_ex__(protocol)
 
 
@@ -148,7 +148,7 @@ class _SavePretrained:
     def __init__(self, module: nn.Module, dtype: torch.dtype):
         self.module, self.dtype = module, dtype
 
-    def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, save_directory: object, *args: Any, **kwargs: Any) -> Any:
         mod = self.module
         out = type(mod).save_pretrained(mod, save_directory, *args, **kwargs)
         config = mod.config

@@ -38,12 +38,15 @@ the same update runs uncompiled, correct but no faster than the plain step.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..base.errors import ConfigError
 from ..config import AmpConfig
+
+if TYPE_CHECKING:
+    from .master import MasterWeights
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
@@ -156,9 +159,9 @@ class Plan(NamedTuple):
 class FusedUpdate:
     """The fused update of one optimizer's FP32 masters (see the module docstring)."""
 
-    _compiled: Dict[str, Any] = {}  # one compiled function per kernel, shared by every optimizer
+    _compiled: Dict[str, Callable[..., Any]] = {}  # one compiled function per kernel, shared by every optimizer
 
-    def __init__(self, masters: Any):
+    def __init__(self, masters: MasterWeights):
         self.mw = masters  # master.MasterWeights
         opt = masters.optimizer
         self.kind = "sgd" if type(opt) is torch.optim.SGD else "adam"
@@ -169,7 +172,7 @@ class FusedUpdate:
         self.lr: Optional[Tensor] = None  # 0-d, refilled per group: a new lr is not a recompile
         self.steps = 0  # fused steps taken
 
-    def _fn(self, kind: str) -> Any:
+    def _fn(self, kind: str) -> Callable[..., Any]:
         fn = self._compiled.get(kind)
         if fn is None:
             fn = self._compiled[kind] = torch.compile(_KERNELS[kind], dynamic=False)

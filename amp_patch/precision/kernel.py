@@ -37,10 +37,13 @@ import ctypes
 import functools
 import logging
 import os
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+if TYPE_CHECKING:
+    from .master import MasterWeights
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
@@ -61,7 +64,7 @@ _FLAGS = ("foreach", "fused", "capturable", "differentiable")
 SGD, ADAM, ADAMW = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
 
 
-def refused(optimizer: torch.optim.Optimizer, step: Any = None) -> Optional[str]:
+def refused(optimizer: torch.optim.Optimizer, step: Optional[Callable[..., Any]] = None) -> Optional[str]:
     """Why the kernel cannot take this optimizer's step now, or None when it can
     (as far as the optimizer goes; the tensors are checked by ``KernelStep.plan``).
 
@@ -163,13 +166,13 @@ def _ptr(t: Optional[Tensor]) -> int:
 class KernelStep:
     """The one-pass step of one optimizer's FP32 masters (see the module docstring)."""
 
-    def __init__(self, masters: Any):
+    def __init__(self, masters: MasterWeights):
         self.mw = masters  # master.MasterWeights
         self.steps = 0  # steps the kernel took
         sqrt_mode()
         self.adam = type(masters.optimizer) is not SGD
         #: the optimizer's step as the plain step would call it (set when amp_patch patches the optimizer)
-        self.original: Any = None
+        self.original: Optional[Callable[..., Any]] = None
 
     def plan(self) -> Optional[Plan]:
         """The work of this step, or None when the plain step must run. Changes nothing
@@ -209,7 +212,7 @@ class KernelStep:
             return None  # no gradient at all: the plain step has nothing to do either
         return Plan(groups)
 
-    def _state(self, group: Dict[str, Any], p: Tensor, n: int) -> Any:
+    def _state(self, group: Dict[str, Any], p: Tensor, n: int) -> Union[Tuple[Optional[Tensor], ...], bool, None]:
         """``(a, b, c, step)`` of ``p``'s optimizer state; None where the step creates it
         (the first); False where the kernel cannot take it (the plain step raises or copes)."""
         s = self.mw.optimizer.state.get(p)

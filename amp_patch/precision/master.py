@@ -23,11 +23,14 @@ call, never as a Python loop of tensor ops per parameter.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from ..patching.cast import LOW
+
+if TYPE_CHECKING:
+    from ..run.session import Session
 
 Tensor = torch.Tensor
 f32 = torch.float32
@@ -305,7 +308,7 @@ class MasterWeights:
         self.halfs, self.masters, self.grads, self.dtypes, self.index = [], [], [], [], {}
 
 
-def lookup(amp: Any, param: Tensor) -> Optional[Tensor]:
+def lookup(amp: Optional["Session"], param: Tensor) -> Optional[Tensor]:
     """The FP32 master of a model parameter in the running AMP state, or None."""
     if amp is None:
         return None

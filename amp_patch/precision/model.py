@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -31,6 +31,12 @@ from ..base.errors import ConfigError, StateError
 from ..config import AmpConfig
 from ..patching.cast import CASTABLE, LOW, cast, needs_cast
 from . import compat, master
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from ..config.config import KeepFP32
+    from ..run.session import Session
 
 log = logging.getLogger("amp_patch")
 
@@ -80,7 +86,7 @@ class CastOutputs:
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
 
-    def __call__(self, module: nn.Module, args: tuple, output: Any):
+    def __call__(self, module: nn.Module, args: tuple, output: object):
         return cast(output, self.dtype, None)
 
     def __repr__(self) -> str:
@@ -134,7 +140,7 @@ class SaveFP32:
                     state_dict[key] = state_dict[key].detach().to(to)
 
 
-def _hand_out(amp: Any, key: Any) -> None:
+def _hand_out(amp: "Session", key: Union[int, Tuple[int, str]]) -> None:
     """Check the pre-cast value under ``key`` for writes before each forward from now on."""
     for rec in amp.model_records:
         e = rec.exact.get(key)
@@ -143,7 +149,7 @@ def _hand_out(amp: Any, key: Any) -> None:
             return
 
 
-def _masters_of(amp: Any, m: Tensor) -> master.MasterWeights:
+def _masters_of(amp: "Session", m: Tensor) -> master.MasterWeights:
     for h in amp.optimizer_handles.values():
         mw = h.masters
         if mw is not None and mw.is_master(m):
@@ -196,7 +202,7 @@ class LoadIntoMasters:
     masters keep the exact FP32 values of the checkpoint.
     """
 
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *rest: Any) -> None:
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *rest: object) -> None:
         amp = running.session()
         if amp is None:
             return
@@ -224,7 +230,7 @@ class LoadIntoMasters:
                     m.copy_(value)
 
 
-def _keep_loaded(amp: Any, key: Any, value: Any) -> None:
+def _keep_loaded(amp: "Session", key: Union[int, Tuple[int, str]], value: object) -> None:
     """A checkpoint value loaded into a converted tensor with no master (O3, a
     frozen parameter, a buffer) becomes its exact value, so a ``state_dict()``
     right after the load gives back what was loaded, not its half rounding."""
@@ -245,7 +251,7 @@ _HOOK_TYPES = (CastInputs, CastOutputs, SaveFP32, LoadIntoMasters, SyncWritten)
 # ------------------------------------------------------------------ options
 
 
-def _filter(keep_fp32: Any, models: Sequence[nn.Module]) -> Optional[Filter]:
+def _filter(keep_fp32: "KeepFP32", models: Sequence[nn.Module]) -> Optional[Filter]:
     """``AmpConfig.keep_fp32`` as a ``(module, name) -> bool`` filter; ConfigError
     when a pattern matches no module of ``models``."""
     if keep_fp32 is None or callable(keep_fp32):
@@ -317,13 +323,13 @@ class Conversion:
         self.model = model
         self.params: List[Tuple[Tensor, torch.dtype]] = []  # (parameter, dtype before)
         self.buffers: List[Tuple[nn.Module, str, torch.dtype]] = []  # (module, name, dtype before)
-        self.handles: List[Any] = []
+        self.handles: List["RemovableHandle"] = []
         self.rnns: List[nn.Module] = []
         self.copyable = False  # copies.install ran on the model
         #: id(parameter) or (id(module), buffer name) -> _Exact, the pre-cast value
-        self.exact: Dict[Any, "_Exact"] = {}
+        self.exact: Dict[Union[int, Tuple[int, str]], "_Exact"] = {}
         #: the ones ``state_dict()`` handed out, checked for writes before each forward
-        self.handed_out: Dict[Any, "_Exact"] = {}
+        self.handed_out: Dict[Union[int, Tuple[int, str]], "_Exact"] = {}
 
 
 def _kept_modules(model: nn.Module, keep_bn: bool, keep: Optional[Filter]) -> set:
@@ -430,7 +436,7 @@ def _exact_value(param: Tensor) -> Optional[Tensor]:
     return None
 
 
-def _exact_buffer(amp: Any, module: nn.Module, name: str, buf: Tensor) -> Optional[Tensor]:
+def _exact_buffer(amp: Optional["Session"], module: nn.Module, name: str, buf: Tensor) -> Optional[Tensor]:
     """A converted buffer's value from before the cast, while the half one has not changed since."""
     if amp is None:
         return None
@@ -491,7 +497,7 @@ def _hook_only(model: nn.Module, save_dtype: torch.dtype) -> Conversion:
     return rec
 
 
-def cast_outputs(amp: Any, model: nn.Module) -> None:
+def cast_outputs(amp: "Session", model: nn.Module) -> None:
     """At O1/O4 (the model keeps its dtypes): cast ``model``'s floating outputs
     to ``cast_model_outputs`` (Apex's option), undone with the run. A model
     whose outputs are cast already is left as it is."""
@@ -536,7 +542,7 @@ class _Unconvert:
             mod.flatten_parameters()
 
 
-def attach(amp: Any, models: Sequence[nn.Module], config: AmpConfig) -> Dict[int, tuple]:
+def attach(amp: "Session", models: Sequence[nn.Module], config: AmpConfig) -> Dict[int, tuple]:
     """Convert ``models`` with this call's ``config`` (its ``keep_fp32``, ``save_dtype``).
 
     Returns ``{id(parameter): (FP32 data, FP32 grad, dtype)}`` from before the

@@ -3,7 +3,7 @@ pass, its FP32 master weights (and their fused update), and the guard that
 refuses an optimizer ``initialize`` never saw over half weights."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -14,8 +14,11 @@ from ..config import AmpConfig
 from ..patching.cast import LOW
 from . import fused, kernel, master
 
+if TYPE_CHECKING:
+    from ..run.session import Session
 
-def inner_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
+
+def inner_optimizer(obj: object) -> Optional[torch.optim.Optimizer]:
     """The torch optimizer ``obj`` is, or wraps as ``.optim`` (Apex's ``LARC``,
     which ``amp.initialize`` accepted), or None."""
     if isinstance(obj, torch.optim.Optimizer):
@@ -25,7 +28,7 @@ def inner_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
 
 
 def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer], config: AmpConfig,
-             running: Any, replacing: Any = None) -> None:
+             running: Optional["Session"], replacing: Optional["Session"] = None) -> None:
     """Check ``optimizers`` (with the ``models`` they come with) before anything
     changes; ``running`` is the session they would join, or None for a new one;
     ``replacing`` a provisional session (the launcher's) this call ends once
@@ -100,7 +103,7 @@ class _StrayStepGuard:
 
     amp_patch_internal = True  # not a user's hook: the one-pass step may run past it (kernel.refused)
 
-    def __init__(self, amp: Any):
+    def __init__(self, amp: "Session"):
         self.amp = amp
         self.seen: Tuple[int, frozenset] = (-1, frozenset())
         self.handle = register_optimizer_step_pre_hook(self.check)
@@ -112,7 +115,7 @@ class _StrayStepGuard:
             self.seen = (len(models), ids)
         return self.seen[1]
 
-    def check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def check(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if id(optimizer) in self.amp.optimizer_handles or running.session() is not self.amp:
             return
         halves = self._halves()
@@ -145,7 +148,7 @@ class _Release:
 Built = Tuple[master.MasterWeights, Optional[fused.FusedUpdate], Optional[kernel.KernelStep]]
 
 
-def attach(amp: Any, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+def attach(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
            originals: Dict[int, tuple], config: AmpConfig) -> Dict[int, Built]:
     """Put FP32 masters into ``optimizers`` (O2/O5), built on ``originals``
     (``model.attach``), and guard the converted ``models`` against optimizers

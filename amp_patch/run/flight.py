@@ -21,13 +21,18 @@ never anything per op.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import torch
 from torch.compiler import is_compiling
 
 from ..base.errors import StateError
 from ..precision import copies
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from .session import Session
 
 #: how long initialize/deinitialize wait for other threads' work in flight
 WAIT_SECONDS = 60.0
@@ -120,7 +125,7 @@ class _Hold:
                     f"nothing was changed. Call it between steps, or stop the other threads' training first."
                 )
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         f = self.flight
         with f._cv:
             f._closer = None
@@ -145,7 +150,7 @@ class ForwardStart:
     def __deepcopy__(self, memo: dict) -> "ForwardStart | ForwardEnd":
         return self  # shares the session's lock; the copy rule then drops the hook
 
-    def __call__(self, module: Any, args: Any) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
         # A forward that starts after the session ended counts nothing, and its
         # end hook (called even so when torch collected it before the removal)
         # must not leave: each thread keeps whether each of its forwards counted.
@@ -167,7 +172,7 @@ class ForwardEnd:
     def __deepcopy__(self, memo: dict) -> "ForwardStart | ForwardEnd":
         return self  # shares the session's lock; the copy rule then drops the hook
 
-    def __call__(self, module: Any, args: Any, output: Any) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         if is_compiling():
             return
         s = self.shared
@@ -184,7 +189,7 @@ copies.drop_on_copy(*HOOK_TYPES)
 class _Unwatch:
     """Undo callback: the forward hooks (and the copy rule, if ``watch`` set it) off a model."""
 
-    def __init__(self, model: Any, handles: List[Any], copyable: bool):
+    def __init__(self, model: torch.nn.Module, handles: List["RemovableHandle"], copyable: bool):
         self.model, self.handles, self.copyable = model, handles, copyable
 
     def __call__(self) -> None:
@@ -194,11 +199,11 @@ class _Unwatch:
             copies.remove(self.model)
 
 
-def _no_value(*args: Any) -> None:
+def _no_value(*args: object) -> None:
     return None
 
 
-def watch(amp: Any, models: List[Any]) -> None:
+def watch(amp: "Session", models: Sequence[torch.nn.Module]) -> None:
     """Track the forwards of ``models`` as work in flight of ``amp``'s session.
 
     A deep copy or pickle of a watched model leaves the hooks behind (they hold
@@ -210,7 +215,7 @@ def watch(amp: Any, models: List[Any]) -> None:
         if isinstance(m, torch.jit.ScriptModule):
             continue  # takes no hooks; it runs in FP32 under O1 anyway (diagnostics says so)
         copyable = "__deepcopy__" not in m.__dict__
-        handles: List[Any] = []
+        handles: List["RemovableHandle"] = []
         amp.undo.push(_Unwatch(m, handles, copyable))
         if copyable:
             copies.install(m, copies.Plan(_no_value, {}, HOOK_TYPES, _no_value))

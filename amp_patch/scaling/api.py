@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List
+from typing import TYPE_CHECKING, Iterator, List
 
 import torch
 
@@ -13,16 +13,21 @@ from ..precision.optimizers import inner_optimizer
 from . import patches
 from .state import Handle, after_backward, before_backward, run_of, transfer
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from ..run.session import Session
+
 Tensor = torch.Tensor
 
-def current(what: str) -> Any:
+def current(what: str) -> "Session":
     amp = running.session()
     if amp is None:
         raise StateError(f"amp_patch.{what} needs amp_patch.initialize(model, optimizer, opt_level=...) first")
     return amp
 
 
-def _handles(amp: Any, optimizers: Any, what: str) -> List[Handle]:
+def _handles(amp: "Session", optimizers: object, what: str) -> List[Handle]:
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     out = []
     for i, given in enumerate(opts):
@@ -42,9 +47,9 @@ def _handles(amp: Any, optimizers: Any, what: str) -> List[Handle]:
 @contextlib.contextmanager
 def scale_loss(
     loss: Tensor,
-    optimizers: Any,
+    optimizers: object,
     loss_id: int = 0,
-    model: Any = None,
+    model: object = None,
     delay_unscale: bool = False,
     delay_overflow_check: bool = False,
 ) -> Iterator[Tensor]:
@@ -97,7 +102,7 @@ def scale_loss(
     if not amp.flight.enter("scale_loss"):
         raise StateError("amp_patch.scale_loss: amp_patch was deinitialized by another thread while this call waited")
     try:
-        hooks: List[Any] = []
+        hooks: List[RemovableHandle] = []
         if scaler.active:
             hooks = patches.guard_foreign(run, loss, run.handles, loss_id, scaler.scale)[1]
         before_backward(run, handles, loss_id)
@@ -137,7 +142,7 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
     transfer(h.run, h)
 
 
-def master_params(optimizer: Any) -> Iterator[Tensor]:
+def master_params(optimizer: object) -> Iterator[Tensor]:
     """Yield the FP32 parameters ``optimizer`` steps: the masters under O2, its
     own parameters otherwise; apex.amp's ``master_params``.
 

@@ -3,7 +3,7 @@ scalers, and ``counters``."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .. import diagnostics
 from ..base import running
@@ -11,6 +11,9 @@ from ..base.errors import ConfigError
 from .api import current
 from .patches import ensure_patches
 from .state import run_of
+
+if TYPE_CHECKING:
+    from ..run.session import Session
 
 STATE_VERSION = 1
 
@@ -143,7 +146,7 @@ def counters() -> Dict[str, Any]:
     return counters_of(current("counters"))
 
 
-def counters_of(amp: Any) -> Dict[str, Any]:
+def counters_of(amp: "Session") -> Dict[str, Any]:
     """``counters()`` of the session ``amp``."""
     run = run_of(amp)
     opts = [{"steps": h.steps, "skipped": h.skipped, "fused": h.fused.steps if h.fused is not None else 0,

@@ -22,13 +22,18 @@ The walk costs one visit per graph node; the figures are in
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Sequence
+from typing import TYPE_CHECKING, Iterable, List, Sequence
 
 import torch
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from .state import Handle, Run
+
 Tensor = torch.Tensor
 
-def owned_ids(handles: Iterable[Any]) -> set:
+def owned_ids(handles: Iterable["Handle"]) -> set:
     """``id`` of every tensor whose gradient amp_patch unscales for ``handles``:
     the parameters each optimizer steps and, under O2, the half model
     parameters behind its FP32 masters."""
@@ -86,7 +91,7 @@ class _Unscale:
 
     __slots__ = ("run", "check", "loss_id", "scale")
 
-    def __init__(self, run: Any, check: int, loss_id: int, scale: float):
+    def __init__(self, run: "Run", check: int, loss_id: int, scale: float):
         self.run, self.check, self.loss_id, self.scale = run, check, loss_id, scale
 
     def __call__(self, grad: Tensor) -> Tensor:
@@ -96,7 +101,7 @@ class _Unscale:
         return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def unscale_on_arrival(leaves: Sequence[Tensor], run: Any, loss_id: int, scale: float) -> List[Any]:
+def unscale_on_arrival(leaves: Sequence[Tensor], run: "Run", loss_id: int, scale: float) -> List["RemovableHandle"]:
     """Hook each of ``leaves`` so its gradient arrives unscaled, its overflow
     counted against loss ``loss_id`` of ``run`` (the scaling state); returns
     the hook handles, to be removed once the backward is over."""

@@ -4,7 +4,7 @@ optimizer as instance attributes and taken off at the end of the session."""
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -13,10 +13,14 @@ from ..base.errors import StateError
 from .patches import ensure_patches
 from .state import Handle, Run, Stage, decide_skips, handle, run_of, transfer, transfer_all
 
+if TYPE_CHECKING:
+    from ..precision.optimizers import Built
+    from ..run.session import Session
+
 Tensor = torch.Tensor
 _NOTSET = object()
 
-def _lookup(optimizer: Any) -> Optional[Handle]:
+def _lookup(optimizer: torch.optim.Optimizer) -> Optional[Handle]:
     amp = running.session()
     return None if amp is None else amp.handle_of(optimizer)
 
@@ -82,10 +86,10 @@ def _fused_step(h: Handle) -> bool:
 class _AbsorbAfter:
     """A closure that moves its gradients into the masters before the optimizer reads them."""
 
-    def __init__(self, closure: Any, run: Run):
+    def __init__(self, closure: Callable[[], object], run: Run):
         self.closure, self.run = closure, run
 
-    def __call__(self) -> Any:
+    def __call__(self) -> object:
         loss = self.closure()
         transfer_all(self.run)
         return loss
@@ -140,7 +144,7 @@ def _patch(h: Handle) -> None:
 class _RestoreMethods:
     """Undo callback for one optimizer: pending gradients unscaled, methods restored."""
 
-    def __init__(self, amp: Any, h: Handle):
+    def __init__(self, amp: "Session", h: Handle):
         self.amp, self.h = amp, h
 
     def __call__(self) -> None:
@@ -162,7 +166,7 @@ class _RestoreMethods:
 
 
 
-def attach(amp: Any, optimizers: Sequence[torch.optim.Optimizer], built: Optional[Dict[int, Any]] = None) -> None:
+def attach(amp: "Session", optimizers: Sequence[torch.optim.Optimizer], built: Optional[Dict[int, "Built"]] = None) -> None:
     """Give each loss a scaler (first call) and attach ``optimizers``, with the
     masters ``precision.optimizers.attach`` built for them (``built``).
 
@@ -184,7 +188,7 @@ def attach(amp: Any, optimizers: Sequence[torch.optim.Optimizer], built: Optiona
     ensure_patches(amp)
 
 
-def attach_wrappers(amp: Any, wrappers: Sequence[Any]) -> None:
+def attach_wrappers(amp: "Session", wrappers: Sequence[Any]) -> None:
     """Make each optimizer wrapper's ``step`` (Apex's ``LARC``, which reads the
     gradients to rescale them before its optimizer's step) see true gradients:
     the attached optimizer inside is unscaled first (into the masters under
@@ -203,7 +207,7 @@ def _wrapper_step(self, *args: Any, **kwargs: Any) -> Any:
 
 
 class _RestoreWrapper:
-    def __init__(self, wrapper: Any, saved: Any):
+    def __init__(self, wrapper: Any, saved: object):
         self.wrapper, self.saved = wrapper, saved
 
     def __call__(self) -> None:

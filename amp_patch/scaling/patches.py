@@ -3,7 +3,7 @@
 functions (true gradients, the FP32 masters under O2)."""
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Iterable, List, Sequence, Tuple, Union
 
 import torch
 import wrapt
@@ -15,9 +15,16 @@ from ..precision import master
 from . import leaves
 from .state import Handle, Run, after_backward, before_backward, run_of, transfer_all
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch.utils.hooks import RemovableHandle
+
+    from ..run.session import Session
+
 Tensor = torch.Tensor
 
-def _clip_targets() -> List[Tuple[Any, str]]:
+def _clip_targets() -> List[Tuple[ModuleType, str]]:
     import torch.nn.utils as nnu
     import torch.nn.utils.clip_grad as cg
 
@@ -25,7 +32,7 @@ def _clip_targets() -> List[Tuple[Any, str]]:
     return [(owner, n) for owner in (nnu, cg) for n in names if hasattr(owner, n)]
 
 
-def _make_clip_patch(amp: Any):
+def _make_clip_patch(amp: "Session"):
     def clip(wrapped, instance, args, kwargs):
         run = amp.run
         if run is None or running.session() is not amp:
@@ -40,11 +47,11 @@ def _make_clip_patch(amp: Any):
     return lambda original: OpWrapper(original, clip)
 
 
-def _to_masters(amp: Any, parameters: Any) -> Any:
+def _to_masters(amp: "Session", parameters: Union[Tensor, Iterable[object]]) -> List[object]:
     """Parameters with each half model parameter replaced by its FP32 master."""
     if isinstance(parameters, Tensor):
         parameters = [parameters]
-    out = []
+    out: List[object] = []
     for p in parameters:
         m = master.lookup(amp, p) if isinstance(p, Tensor) else None
         out.append(p if m is None else m)
@@ -52,7 +59,7 @@ def _to_masters(amp: Any, parameters: Any) -> Any:
 
 
 
-def ensure_patches(amp: Any) -> None:
+def ensure_patches(amp: "Session") -> None:
     """Patch the torch functions this run needs now and does not have yet.
 
     ``Tensor.backward`` when a plain ``loss.backward()`` has work to do (loss
@@ -72,7 +79,7 @@ def ensure_patches(amp: Any) -> None:
     amp.patch(items)  # skips what is patched already
 
 
-def guard_foreign(run: Run, loss: Tensor, handles: Sequence[Handle], loss_id: int, scale: float) -> Tuple[bool, List[Any]]:
+def guard_foreign(run: Run, loss: Tensor, handles: Sequence[Handle], loss_id: int, scale: float) -> Tuple[bool, List["RemovableHandle"]]:
     """Before a backward of ``loss`` scaled by ``scale``: hook every leaf it
     reaches that no attached optimizer owns so its gradient arrives unscaled
     (``leaves.py``), an overflow there counting against ``loss_id``. Returns
@@ -95,7 +102,7 @@ def guard_foreign(run: Run, loss: Tensor, handles: Sequence[Handle], loss_id: in
     return reaches, leaves.unscale_on_arrival(foreign, run, loss_id, scale)
 
 
-def make_backward_patch(amp: Any):
+def make_backward_patch(amp: "Session"):
     """The ``Tensor.backward`` patch: loss scaling for plain loops, and an empty cast cache.
 
     The cache is emptied before the backward too: the forward is over, and
@@ -126,7 +133,7 @@ def make_backward_patch(amp: Any):
                     return wrapped(*args, **kwargs)
                 handles = list(run.handles)
                 scaler = run.scalers[0]
-                hooks: List[Any] = []
+                hooks: List["RemovableHandle"] = []
                 if scaler.active:
                     reaches, hooks = guard_foreign(run, instance, handles, 0, scaler.scale)
                     if not reaches:

@@ -27,7 +27,7 @@ from ..config import ScalerConfig
 DEFAULTS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ScalerConfig)
                             if f.name not in ("loss_scale", "num_losses", "max_consecutive_skips")}
 
-def _number(name: str, value: Any) -> float:
+def _number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}={value!r} must be a number")
     if not math.isfinite(value):

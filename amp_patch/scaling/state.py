@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -36,6 +36,11 @@ from ..base.errors import OverflowLoopError, StateError
 from ..config import AmpConfig
 from ..precision import master
 from .scaler import LossScaler
+
+if TYPE_CHECKING:
+    from ..precision.fused import FusedUpdate
+    from ..precision.kernel import KernelStep
+    from ..run.session import Session
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
@@ -63,11 +68,11 @@ class Handle:
         self.optimizer = optimizer
         self.run = run
         self.masters: Optional[master.MasterWeights] = None
-        self.fused: Any = None  # fused.FusedUpdate under fused_update=True
-        self.kernel: Any = None  # kernel.KernelStep: the one-pass O2/O5 step, where it is built
+        self.fused: Optional[FusedUpdate] = None  # fused.FusedUpdate under fused_update=True
+        self.kernel: Optional[KernelStep] = None  # kernel.KernelStep: the one-pass O2/O5 step, where it is built
         self.patched = False
-        self.saved: Dict[str, Any] = {}  # replaced instance attributes: name -> own value or _NOTSET
-        self.originals: Dict[str, Any] = {}  # name -> the callable we call through
+        self.saved: Dict[str, object] = {}  # replaced instance attributes: name -> own value or _NOTSET
+        self.originals: Dict[str, Callable[..., Any]] = {}  # name -> the callable we call through
         self.stage = Stage.READY
         self.loss: Optional[int] = None  # the loss whose scale the SCALED gradients carry
         self.parked: Optional[List[Tuple[Tensor, Tensor]]] = None  # (param, true grad) parked during a scaled backward
@@ -134,7 +139,7 @@ class _Notices:
 class Run:
     """The loss-scaling state of one ``initialize``: scalers, handles, this step's flags."""
 
-    def __init__(self, amp: Any):
+    def __init__(self, amp: "Session"):
         self.amp = amp
         self.scalers: List[LossScaler] = []
         self.max_skips: Optional[int] = None
@@ -244,7 +249,7 @@ class _Unscale:
             torch._amp_foreach_non_finite_check_and_unscale_(ts, run.found_flag(self.check, dev), run.inv_scale(l, dev, self.scale))
 
 
-def run_of(amp: Any) -> Run:
+def run_of(amp: "Session") -> Run:
     """The session's loss-scaling state, made on first use."""
     run = amp.run
     if run is None:
@@ -255,14 +260,14 @@ def run_of(amp: Any) -> Run:
 class _DropHandle:
     """Undo of ``handle``: the optimizer's record out of the session."""
 
-    def __init__(self, amp: Any, optimizer: torch.optim.Optimizer):
+    def __init__(self, amp: "Session", optimizer: torch.optim.Optimizer):
         self.amp, self.key = amp, id(optimizer)
 
     def __call__(self) -> None:
         self.amp.optimizer_handles.pop(self.key, None)
 
 
-def handle(amp: Any, optimizer: torch.optim.Optimizer) -> Handle:
+def handle(amp: "Session", optimizer: torch.optim.Optimizer) -> Handle:
     """The optimizer's ``Handle`` in ``amp``, created on first use (not patched yet)."""
     h = amp.optimizer_handles.get(id(optimizer))
     if h is None or h.optimizer is not optimizer:
@@ -271,7 +276,7 @@ def handle(amp: Any, optimizer: torch.optim.Optimizer) -> Handle:
     return h
 
 
-def home_device(amp: Any) -> torch.device:
+def home_device(amp: "Session") -> torch.device:
     if amp.device_type == "cuda" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(amp.device_type)
@@ -477,7 +482,7 @@ def decide_skips(run: Run) -> None:
         )
 
 
-def settle(amp: Any) -> None:
+def settle(amp: "Session") -> None:
     """Before the session ends: make every gradient a scaled backward left a
     true gradient, or drop it.
 
@@ -513,7 +518,7 @@ def settle(amp: Any) -> None:
 class _Restore:
     """Undo of ``restart``: the session's options and loss scalers as they were."""
 
-    def __init__(self, amp: Any):
+    def __init__(self, amp: "Session"):
         self.amp, self.config = amp, amp.config
         self.scalers = list(amp.run.scalers) if amp.run is not None else None
 
@@ -523,7 +528,7 @@ class _Restore:
             self.amp.run.configure(self.config, self.scalers)
 
 
-def restart(amp: Any, call: AmpConfig) -> None:
+def restart(amp: "Session", call: AmpConfig) -> None:
     """Apex's rule for a later ``amp.initialize``: its session-wide options are
     the run's from now on, and the loss scalers start anew from them.
 
@@ -543,7 +548,7 @@ def restart(amp: Any, call: AmpConfig) -> None:
         run.configure(amp.config)
 
 
-def add_losses(amp: Any, n: int) -> None:
+def add_losses(amp: "Session", n: int) -> None:
     """Grow the run to at least ``n`` loss scalers (Apex's ``wrap_optimizer(num_loss=n)``);
     the new ones start from the run's settings. Pushes its undo."""
     run = run_of(amp)

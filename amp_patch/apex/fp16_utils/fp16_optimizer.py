@@ -19,7 +19,7 @@ by each ``update_master_grads``, which ``backward`` calls.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, DefaultDict, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ f32 = torch.float32
 DYNAMIC_LOSS_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
 
 
-def fp32_to_fp16(val: Any) -> Any:
+def fp32_to_fp16(val: object) -> Any:
     """``val`` (a tensor, or tuples and lists of them) with its FP32 tensors made FP16.
 
     Example::
@@ -51,7 +51,7 @@ def fp32_to_fp16(val: Any) -> Any:
     return cast(val, torch.float16, None)
 
 
-def fp16_to_fp32(val: Any) -> Any:
+def fp16_to_fp32(val: object) -> Any:
     """``val`` (a tensor, or tuples and lists of them) with its FP16 tensors made FP32.
 
     Example::
@@ -142,12 +142,12 @@ class ForwardsToOptimizer:
     optimizer: torch.optim.Optimizer
 
     @property
-    def state(self) -> Any:
+    def state(self) -> "DefaultDict[torch.Tensor, Any]":
         """The wrapped optimizer's ``state``."""
         return self.optimizer.state
 
     @state.setter
-    def state(self, value: Any) -> None:
+    def state(self, value: "DefaultDict[torch.Tensor, Any]") -> None:
         self.optimizer.state = value
 
     @property

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from types import ModuleType
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from ._views import ATTRS
 
@@ -36,7 +37,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _loaded() -> Iterator[Tuple[str, Any]]:
+def _loaded() -> Iterator[Tuple[str, ModuleType]]:
     """``(namespace, module)`` of the list modules made so far: only those can hold edits."""
     for namespace, sub in _MODULES.items():
         module = sys.modules.get(f"{__name__}.{sub}")
@@ -44,7 +45,7 @@ def _loaded() -> Iterator[Tuple[str, Any]]:
             yield namespace, module
 
 
-def _names(values: Any) -> List[str]:
+def _names(values: Iterable[Union[str, Tuple[str, str]]]) -> List[str]:
     """Op names of an Apex list (``BANNED_FUNCS`` holds ``(name, message)`` pairs)."""
     return [v[0] if isinstance(v, (tuple, list)) else v for v in values]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -184,7 +184,7 @@ def mixed_dtype_fused_rms_norm_affine(input: Tensor, weight: Tensor, normalized_
     return _norm("rms", input, normalized_shape, weight, None, eps, mixed=True)
 
 
-def _vjp(ctx: Any, fn: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+def _vjp(ctx: Any, fn: Callable[..., Tensor], grad: Tensor) -> Tuple[Optional[Tensor], ...]:
     """The gradients of ``fn(*ctx.saved_tensors)``, re-run under autograd:
     one per saved tensor, None where none is needed."""
     with torch.enable_grad():
@@ -333,7 +333,7 @@ class _Mixed:
 
     _mixed = True
 
-    def __init__(self, normalized_shape: Shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs: Any):
+    def __init__(self, normalized_shape: Shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs: object):
         if "elementwise_affine" in kwargs:  # Apex's check on the argument it always overrides
             warnings.warn(f"{type(self).__name__} does not support `elementwise_affine` argument", stacklevel=2)
             if not kwargs.pop("elementwise_affine"):

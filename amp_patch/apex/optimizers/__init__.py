@@ -95,7 +95,7 @@ def _work(p: Tensor, state: Dict[str, Any], master: bool) -> Tensor:
     return p.float() if p.dtype in LOW else p
 
 
-def _scaling(optimizer: torch.optim.Optimizer, grad_scaler: Any) -> Tuple[Dict[torch.device, Tensor], Optional[Tensor]]:
+def _scaling(optimizer: torch.optim.Optimizer, grad_scaler: Optional[torch.amp.GradScaler]) -> Tuple[Dict[torch.device, Tensor], Optional[Tensor]]:
     """``({device: found_inf}, scale)`` from the ``torch.amp.GradScaler`` whose
     ``step`` calls this optimizer (Apex's capturable contract: the scaler
     passes itself as ``grad_scaler``); ``({}, None)`` without one.
@@ -116,7 +116,7 @@ def _global_norm(grads: List[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=f32)))
 
 
-def _bias_corrections(beta1: float, beta2: float, step: Union[int, Tensor], on: bool) -> Tuple[Any, Any]:
+def _bias_corrections(beta1: float, beta2: float, step: Union[int, Tensor], on: bool) -> Tuple[Union[float, Tensor], Union[float, Tensor]]:
     """Adam's ``(1 - beta1**step, 1 - beta2**step)``, or ``(1, 1)`` when off;
     0-d tensors when ``step`` is a tensor (no host sync)."""
     if not on:
@@ -127,8 +127,8 @@ def _bias_corrections(beta1: float, beta2: float, step: Union[int, Tensor], on: 
 
 
 def _adam_direction(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], *,
-                    beta1: float, beta2: float, beta3: float, eps: float, bias_correction1: Any,
-                    bias_correction2: Any, weight_decay: float, adam_w_mode: bool) -> List[Tensor]:
+                    beta1: float, beta2: float, beta3: float, eps: float, bias_correction1: Union[float, Tensor],
+                    bias_correction2: Union[float, Tensor], weight_decay: float, adam_w_mode: bool) -> List[Tensor]:
     """Apex's Adam update direction (its Adam kernel, and stage 1 of its LAMB
     kernel): moves the moments in place and returns ``m_hat / (sqrt(v_hat) +
     eps)``, plus ``weight_decay * p`` in AdamW mode (in L2 mode the decay is
@@ -204,7 +204,7 @@ class _Fused(torch.optim.Optimizer):
                         group[key] = _to_device(value, device)
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
+def _to_device(value: object, device: torch.device) -> object:
     if isinstance(value, Tensor):
         return value.to(device)
     if isinstance(value, list):
@@ -309,8 +309,10 @@ class FusedAdam(_Fused):
             group["lr"] = torch.as_tensor(group["lr"], dtype=f32, device=group["params"][0].device).clone()
 
     @torch.no_grad()
-    def step(self, closure: Closure = None, grads: Any = None, output_params: Any = None, scale: Any = None,
-             grad_norms: Any = None, grad_scaler: Any = None) -> Any:
+    def step(self, closure: Closure = None, grads: Optional[Iterable[object]] = None,
+             output_params: Optional[Iterable[object]] = None, scale: Optional[float] = None,
+             grad_norms: Optional[Iterable[Union[float, Tensor, None]]] = None,
+             grad_scaler: Optional[torch.amp.GradScaler] = None) -> Any:
         """One Adam step over every parameter with a gradient.
 
         Args:
@@ -358,7 +360,8 @@ class FusedAdam(_Fused):
             _copy_back(params, work)
         return loss
 
-    def _legacy_step(self, grads: Any, output_params: Any, scale: Any, grad_norms: Any) -> None:
+    def _legacy_step(self, grads: Optional[Iterable[object]], output_params: Optional[Iterable[object]], scale: float,
+                     grad_norms: Optional[Iterable[Union[float, Tensor, None]]]) -> None:
         """Apex's first ``FusedAdam.step``: its kernel (``fused_adam_cuda.adam``) per
         parameter, each with its own step count, the gradients divided by
         ``scale`` times the clipping factor."""
@@ -443,7 +446,7 @@ class FusedAdam(_Fused):
                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
 
-def _per_group(lists: Any, n_groups: int) -> List[Any]:
+def _per_group(lists: Optional[Iterable[object]], n_groups: int) -> List[Any]:
     """Apex's reading of the old ``step``'s ``grads`` / ``output_params``: None,
     one list (a single group), or one list per group."""
     if lists is None:
@@ -513,7 +516,7 @@ class FusedAdagrad(_Fused):
 # ------------------------------------------------------------------ SGD
 
 
-def sgd_defaults(lr: Any, momentum: float, dampening: float, weight_decay: float, nesterov: bool) -> Dict[str, Any]:
+def sgd_defaults(lr: float, momentum: float, dampening: float, weight_decay: float, nesterov: bool) -> Dict[str, Any]:
     """The param-group defaults of Apex's SGDs (``FusedSGD``, contrib's ``FusedSGD``),
     checked as Apex (and ``torch.optim.SGD``) checked them.
 
@@ -604,7 +607,7 @@ class FusedSGD(_Fused):
 
 
 def _lamb(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor], *,
-          lr: Any, beta1: float, beta2: float, eps: float, step: Union[int, Tensor], bias_correction: bool,
+          lr: Union[float, Tensor], beta1: float, beta2: float, eps: float, step: Union[int, Tensor], bias_correction: bool,
           weight_decay: float, grad_averaging: bool, adam_w_mode: bool, clip: Tensor, use_nvlamb: bool) -> None:
     """One LAMB update of FP32 tensors, as Apex's two-stage kernel: the Adam
     direction of the clipped gradients, scaled per tensor by the trust ratio
@@ -777,7 +780,7 @@ class FusedMixedPrecisionLamb(_Lamb):
         group["step"] = torch.as_tensor(group["step"], dtype=torch.int, device=device).reshape(1).clone()
 
     @torch.no_grad()
-    def step(self, closure: Closure = None, grad_scaler: Any = None) -> Any:
+    def step(self, closure: Closure = None, grad_scaler: Optional[torch.amp.GradScaler] = None) -> Any:
         """One LAMB step, skipped when ``grad_scaler`` found an overflow.
 
         Args:

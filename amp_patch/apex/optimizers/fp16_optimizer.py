@@ -19,7 +19,7 @@ does, into ``overflow_buf``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -122,7 +122,7 @@ class FP16_Optimizer(ForwardsToOptimizer):
         """``(loss.float() * loss_scale).backward()``: scaled FP16 gradients."""
         (loss.float() * self.cur_scale).backward()
 
-    def _norms(self) -> Any:
+    def _norms(self) -> Tuple[list, list, bool]:
         """``(grads per group, norm per group, overflow)``, as each of Apex's layouts computed them."""
         if self._flat:
             grads = [_flatten_dense_tensors([p.grad for p in group]) for group in self.fp16_groups]
@@ -167,7 +167,7 @@ class FP16_Optimizer(ForwardsToOptimizer):
             torch._foreach_mul_(grads, coef)
         return total
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Optional[Callable[[], object]] = None) -> None:
         """Skip on an overflow (and shrink a dynamic scale), else step the
         wrapped optimizer on the scaled FP16 gradients, writing the FP16 weights."""
         grads, norms, skip = self._norms()

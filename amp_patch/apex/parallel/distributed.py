@@ -126,7 +126,7 @@ class Reducer:
 class _Averaging:
     """What the communication hook does around the all-reduce (Apex's arithmetic):
     multiply by ``before``, sum over the group, multiply by ``after``."""
-    group: Any
+    group: Optional[dist.ProcessGroup]
     before: float
     after: float
     fp32: bool
@@ -194,12 +194,12 @@ class DistributedDataParallel(TorchDDP):
                  module: nn.Module,
                  message_size: int = 10000000,
                  delay_allreduce: bool = False,
-                 shared_param: Any = None,
+                 shared_param: object = None,
                  allreduce_trigger_params: Optional[Iterable[torch.Tensor]] = None,
                  retain_allreduce_buffers: bool = False,
                  allreduce_always_fp32: bool = False,
                  num_allreduce_streams: int = 1,
-                 allreduce_communicators: Any = None,
+                 allreduce_communicators: object = None,
                  gradient_average: bool = True,
                  gradient_predivide_factor: float = 1.0,
                  gradient_average_split_factor: Optional[float] = None,

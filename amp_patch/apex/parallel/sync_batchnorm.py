@@ -30,7 +30,7 @@ class _AllReduceSum(torch.autograd.Function):
     every process's gradient."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
+    def forward(ctx: Any, tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
         ctx.group = group
         out = tensor.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=group)
@@ -72,7 +72,7 @@ class SyncBatchNorm(_BatchNorm):
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_group: Any = None, channel_last: bool = False,
+                 track_running_stats: bool = True, process_group: Optional[dist.ProcessGroup] = None, channel_last: bool = False,
                  fuse_relu: bool = False):
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_group = process_group
@@ -136,7 +136,7 @@ class SyncBatchNorm(_BatchNorm):
         return out.to(x.dtype)
 
 
-def convert_syncbn_model(module: nn.Module, process_group: Any = None, channel_last: bool = False) -> nn.Module:
+def convert_syncbn_model(module: nn.Module, process_group: Optional[dist.ProcessGroup] = None, channel_last: bool = False) -> nn.Module:
     """Replace every batch norm in ``module`` with a :class:`SyncBatchNorm`
     (Apex's ``apex.parallel.convert_syncbn_model``).
 
@@ -170,7 +170,7 @@ def convert_syncbn_model(module: nn.Module, process_group: Any = None, channel_l
     return converted
 
 
-def create_syncbn_process_group(group_size: int) -> Any:
+def create_syncbn_process_group(group_size: int) -> Optional[dist.ProcessGroup]:
     """Split the processes into consecutive groups of ``group_size`` and return
     this process's group, to synchronise batch norms within it only (Apex's
     helper of the same name). Every process must call it, since each takes part

@@ -4,7 +4,7 @@ Apex itself takes off its kernel's shapes): the input is computed in the
 weight's dtype and the output returned in the input's."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ class GroupNorm(torch.nn.Module):
     """
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
-                 device: Any = None, dtype: Any = None, act: Optional[str] = None):
+                 device: Union[torch.device, str, None] = None, dtype: Optional[torch.dtype] = None, act: Optional[str] = None):
         super().__init__()
         if num_channels % num_groups != 0:
             raise ValueError("num_channels must be divisible by num_groups")

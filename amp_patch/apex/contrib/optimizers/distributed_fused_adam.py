@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ...optimizers import FusedAdam
+from ...optimizers import Closure, FusedAdam, Params
 
 log = logging.getLogger("amp_patch")
 
@@ -74,11 +74,11 @@ class DistributedFusedAdam(FusedAdam):
         opt.zero_grad()
     """
 
-    def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,
+    def __init__(self, params: Params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0.0, amsgrad: bool = False, process_group: Any = None,
-                 distributed_process_group: Any = None, average_grad_sync: bool = True, capturable: bool = False,
-                 **layout: Any):
+                 weight_decay: float = 0.0, amsgrad: bool = False, process_group: Optional[dist.ProcessGroup] = None,
+                 distributed_process_group: Optional[dist.ProcessGroup] = None, average_grad_sync: bool = True, capturable: bool = False,
+                 **layout: object):
         unknown = sorted(set(layout) - set(_LAYOUT))
         if unknown:
             raise TypeError(f"DistributedFusedAdam got unexpected keyword argument(s) {unknown}; "
@@ -149,7 +149,7 @@ class DistributedFusedAdam(FusedAdam):
         return norm
 
     @torch.no_grad()
-    def step(self, closure: Any = None, *, grad_scaler: Any = None) -> Any:
+    def step(self, closure: Closure = None, *, grad_scaler: Optional[torch.amp.GradScaler] = None) -> Any:
         """Synchronise the gradients, then one ``FusedAdam`` step."""
         if grad_scaler is not None:
             raise ValueError("DistributedFusedAdam.step: pass the optimizer to scaler.step(optimizer), which "

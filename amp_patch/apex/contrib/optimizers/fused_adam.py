@@ -3,9 +3,10 @@ on its pre-2020 kernel (``fused_adam_cuda.adam``), with its keywords and its
 ``step(grads=, output_params=, scale=, grad_norms=)``."""
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Tuple
 
 from ...optimizers import FusedAdam as _FusedAdam
+from ...optimizers import Params
 
 __all__ = ["FusedAdam"]
 
@@ -23,7 +24,7 @@ class FusedAdam(_FusedAdam):
                              dynamic_loss_scale=True)
     """
 
-    def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,
+    def __init__(self, params: Params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
                  weight_decay: float = 0.0, max_grad_norm: float = 0.0, amsgrad: bool = False, use_mt: bool = False,
                  amp_scale_adjustment: float = 1.0):

@@ -5,13 +5,13 @@ FP32 masters of its param groups with ``amp_C.multi_tensor_sgd`` (gradients
 times ``1 / scale``) and writes the FP16 model weights, as Apex's did."""
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 from torch.optim.optimizer import required
 
 from ... import amp_C
-from ...optimizers import _per_group, sgd_defaults
+from ...optimizers import Closure, Params, _per_group, sgd_defaults
 
 __all__ = ["FusedSGD"]
 
@@ -35,7 +35,7 @@ class FusedSGD(torch.optim.Optimizer):
         opt.step()
     """
 
-    def __init__(self, params: Any, lr: float = required, momentum: float = 0, dampening: float = 0,
+    def __init__(self, params: Params, lr: float = required, momentum: float = 0, dampening: float = 0,
                  weight_decay: float = 0, nesterov: bool = False, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True):
         super().__init__(params, sgd_defaults(lr, momentum, dampening, weight_decay, nesterov))
@@ -53,8 +53,8 @@ class FusedSGD(torch.optim.Optimizer):
         return [self.state[p]["momentum_buffer"] for p in params], first
 
     @torch.no_grad()
-    def step(self, closure: Any = None, grads: Any = None, output_params: Any = None, scale: float = 1.0,
-             grad_norms: Any = None) -> Any:
+    def step(self, closure: Closure = None, grads: Optional[Iterable[object]] = None,
+             output_params: Optional[Iterable[object]] = None, scale: float = 1.0, grad_norms: object = None) -> Any:
         """One SGD step of the FP32 masters from ``grads`` (divided by ``scale``), written into ``output_params``."""
         loss = None
         if closure is not None:
