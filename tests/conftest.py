@@ -1,4 +1,5 @@
-"""Shared fixtures. The autouse fixture proves every test leaves torch unpatched."""
+"""Shared fixtures. The autouse fixture proves every test leaves torch unpatched
+and nothing on the process's undo stack."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data._utils import fetch
 
 import amp_patch
+from amp_patch.base.undo import STACK
 from amp_patch.oplists import NAMESPACES
 from helpers import ENV, Snapshot, fast_path
 
@@ -29,9 +31,14 @@ def torch_left_unpatched():
     leaked_state = amp_patch.is_initialized()
     if leaked_state:
         amp_patch.deinitialize()
+    # nothing is left for anyone to undo: every owner popped what it pushed
+    leaked_undo = [f"{type(e.owner).__name__}: {e.kind} {type(e.undo).__name__}" for e in STACK._entries]
+    for owner in {id(e.owner): e.owner for e in STACK._entries}.values():
+        STACK.pop_to(owner, 0)
     problems = before.changed()
     assert not leaked_state, "test left amp_patch initialized (call amp_patch.deinitialize())"
     assert not problems, f"torch left patched: {', '.join(problems[:20])}"
+    assert not leaked_undo, f"changes left on the undo stack: {leaked_undo[:10]}"
 
 
 @pytest.fixture
