@@ -25,6 +25,9 @@ from amp_patch.oplists import NAMESPACES
 from amp_patch.frontends import launcher
 from amp_patch.patching import wrappers
 
+#: this folder, ``tests/``: where this module, ``op_samples``, ``data/`` and ``scripts/`` are
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
 #: every environment variable amp_patch reads
 ENV = (launcher.ENV_OPT_LEVEL, launcher.ENV_HALF_DTYPE, launcher.ENV_LOSS_SCALE, launcher.ENV_LISTS, launcher.ENV_OUTPUTS)
 
@@ -82,12 +85,15 @@ def run_workers(script, world, out_dir, timeout, **env):
     """Run ``script`` as ``world`` worker processes at once (``serve_cases`` is
     their side) and return what each saved, rank 0's first.
 
-    Rank ``r`` runs ``python script r PORT out_dir`` with ``OMP_NUM_THREADS=1``
-    and ``env`` added to the environment; all are killed after ``timeout``
-    seconds. A rank that saved nothing fails the test with every rank's output.
+    Rank ``r`` runs ``python script r PORT out_dir`` with ``OMP_NUM_THREADS=1``,
+    ``tests/`` on ``PYTHONPATH`` (the script may be in a subfolder and import
+    this module) and ``env`` added to the environment; all are killed after
+    ``timeout`` seconds. A rank that saved nothing fails the test with every
+    rank's output.
     """
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen([sys.executable, script, str(r), str(port), str(out_dir)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
