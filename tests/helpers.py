@@ -196,18 +196,26 @@ class Snapshot:
 _NORMS = {"batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
 
 
-def mlp(*sizes, seed=0, act=nn.ReLU, norm=None):
+def mlp(*sizes, seed=0, act=nn.ReLU, norm=None, dtype=None):
     """A seeded ``nn.Sequential`` of ``nn.Linear`` layers through ``sizes``,
-    each but the last followed by ``norm`` (``"batch"``, ``"layer"``) and ``act``."""
+    each but the last followed by ``norm`` (``"batch"``, ``"layer"``) and ``act``.
+
+    ``norm`` and ``act`` are either one for every hidden layer or a list with
+    one per hidden layer (a ``None`` norm: none after that layer); ``dtype``
+    casts the model (FP32 where None)."""
     torch.manual_seed(seed)
+    hidden = max(len(sizes) - 2, 0)
+    norms = list(norm) if isinstance(norm, (list, tuple)) else [norm] * hidden
+    acts = list(act) if isinstance(act, (list, tuple)) else [act] * hidden
+    assert len(norms) == len(acts) == hidden, f"one norm and one act per hidden layer: {hidden}"
     layers = []
-    for a, b in zip(sizes, sizes[1:]):
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
         layers.append(nn.Linear(a, b))
-        layers += [_NORMS[norm](b)] if norm else []
-        layers.append(act())
-    # the last layer has neither norm nor activation
-    del layers[-(2 if norm else 1):]
-    return nn.Sequential(*layers)
+        if i < hidden:  # the last layer has neither norm nor activation
+            layers += [_NORMS[norms[i]](b)] if norms[i] else []
+            layers.append(acts[i]())
+    model = nn.Sequential(*layers)
+    return model if dtype is None else model.to(dtype)
 
 
 def batch(i, n_in, n_out, rows=8, seed=100):
