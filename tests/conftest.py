@@ -1,6 +1,18 @@
 """Shared fixtures. The autouse fixture proves every test leaves torch unpatched
-and nothing on the process's undo stack."""
+and nothing on the process's undo stack.
+
+The test files are in subfolders named after the subpackage each tests (tests of
+the whole stay here); ``helpers`` and ``op_samples`` are imported from this
+folder, which is put on ``sys.path`` first (pytest's default import mode does
+that too, the others do not)."""
 from __future__ import annotations
+
+import os
+import sys
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
 
 import pytest
 import torch

@@ -25,6 +25,9 @@ from amp_patch.oplists import NAMESPACES
 from amp_patch.frontends import launcher
 from amp_patch.patching import wrappers
 
+#: this folder, ``tests/``: where this module, ``op_samples``, ``data/`` and ``scripts/`` are
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
 #: every environment variable amp_patch reads
 ENV = (launcher.ENV_OPT_LEVEL, launcher.ENV_HALF_DTYPE, launcher.ENV_LOSS_SCALE, launcher.ENV_LISTS, launcher.ENV_OUTPUTS)
 
@@ -82,12 +85,15 @@ def run_workers(script, world, out_dir, timeout, **env):
     """Run ``script`` as ``world`` worker processes at once (``serve_cases`` is
     their side) and return what each saved, rank 0's first.
 
-    Rank ``r`` runs ``python script r PORT out_dir`` with ``OMP_NUM_THREADS=1``
-    and ``env`` added to the environment; all are killed after ``timeout``
-    seconds. A rank that saved nothing fails the test with every rank's output.
+    Rank ``r`` runs ``python script r PORT out_dir`` with ``OMP_NUM_THREADS=1``,
+    ``tests/`` on ``PYTHONPATH`` (the script may be in a subfolder and import
+    this module) and ``env`` added to the environment; all are killed after
+    ``timeout`` seconds. A rank that saved nothing fails the test with every
+    rank's output.
     """
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen([sys.executable, script, str(r), str(port), str(out_dir)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -190,18 +196,26 @@ class Snapshot:
 _NORMS = {"batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
 
 
-def mlp(*sizes, seed=0, act=nn.ReLU, norm=None):
+def mlp(*sizes, seed=0, act=nn.ReLU, norm=None, dtype=None):
     """A seeded ``nn.Sequential`` of ``nn.Linear`` layers through ``sizes``,
-    each but the last followed by ``norm`` (``"batch"``, ``"layer"``) and ``act``."""
+    each but the last followed by ``norm`` (``"batch"``, ``"layer"``) and ``act``.
+
+    ``norm`` and ``act`` are either one for every hidden layer or a list with
+    one per hidden layer (a ``None`` norm: none after that layer); ``dtype``
+    casts the model (FP32 where None)."""
     torch.manual_seed(seed)
+    hidden = max(len(sizes) - 2, 0)
+    norms = list(norm) if isinstance(norm, (list, tuple)) else [norm] * hidden
+    acts = list(act) if isinstance(act, (list, tuple)) else [act] * hidden
+    assert len(norms) == len(acts) == hidden, f"one norm and one act per hidden layer: {hidden}"
     layers = []
-    for a, b in zip(sizes, sizes[1:]):
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
         layers.append(nn.Linear(a, b))
-        layers += [_NORMS[norm](b)] if norm else []
-        layers.append(act())
-    # the last layer has neither norm nor activation
-    del layers[-(2 if norm else 1):]
-    return nn.Sequential(*layers)
+        if i < hidden:  # the last layer has neither norm nor activation
+            layers += [_NORMS[norms[i]](b)] if norms[i] else []
+            layers.append(acts[i]())
+    model = nn.Sequential(*layers)
+    return model if dtype is None else model.to(dtype)
 
 
 def batch(i, n_in, n_out, rows=8, seed=100):

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import amp_patch
 from amp_patch import amp
+from helpers import mlp
 
 # FP16 on the CPU is deliberate here; amp_patch's advice to use BF16 there is
 # not what these tests check.
@@ -33,12 +34,7 @@ def _id(case):
 
 
 def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(),
-        nn.Linear(32, 32), nn.LayerNorm(32), nn.GELU(),
-        nn.Linear(32, 4),
-    )
+    return mlp(16, 32, 32, 4, norm=["batch", "layer"], act=[nn.ReLU, nn.GELU])
 
 
 def _data(n=3, batch=8):

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
+from helpers import mlp
 
 pytestmark = pytest.mark.cuda
 
@@ -119,16 +120,11 @@ def test_cached_weight_and_inplace_rules_on_cuda():
         amp_patch.deinitialize()
 
 
-def _net_cuda(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
-
-
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_gradients_after_a_scaled_backward_are_true_on_cuda(level):
     import copy
 
-    model = _net_cuda()
+    model = mlp(32, 64, 8).cuda()
     ref = copy.deepcopy(model)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(16, 32, device="cuda", generator=g)
@@ -150,7 +146,7 @@ def test_gradients_after_a_scaled_backward_are_true_on_cuda(level):
 def test_the_backward_never_syncs_and_the_step_syncs_once_on_cuda(level):
     import warnings
 
-    model = _net_cuda()
+    model = mlp(32, 64, 8).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, level, half_dtype="float16", verbosity=0)
     try:

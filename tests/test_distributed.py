@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import Snapshot, case_results, run_workers, serve_cases
+from helpers import Snapshot, case_results, mlp, run_workers, serve_cases
 
 WORLD = 2
 STEPS = 5
@@ -45,12 +45,8 @@ REFUSED = ["fsdp2-O2", "fsdp1-O2"]
 
 
 def _net(seed=0, norm="batch"):
-    torch.manual_seed(seed)
-    layers = [nn.Linear(16, 32)]
-    if norm == "batch":
-        layers.append(nn.BatchNorm1d(32))  # buffers that DDP broadcasts
-    layers += [nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4)]
-    return nn.Sequential(*layers)
+    # the batch norm: buffers that DDP broadcasts
+    return mlp(16, 32, 32, 4, seed=seed, norm=["batch" if norm == "batch" else None, "layer"], act=[nn.ReLU, nn.GELU])
 
 
 def _batches(rank, n=STEPS, micro=1):

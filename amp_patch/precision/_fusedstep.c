@@ -19,7 +19,7 @@
    not always correctly rounded: Adam calls that very routine (set_sqrt; the
    Python side checks it against torch.sqrt first) on blocks small enough to
    stay in L1 between the two halves of its update. The masters and the
-   state come out bit for bit as the plain step's (tests/test_fused_step_c.py).
+   state come out bit for bit as the plain step's (tests/precision/test_fused_step_c.py).
 
    Vectorized by hand for AVX-512 and AVX2 (+FMA, F16C) in functions with
    target attributes, chosen at run time (__builtin_cpu_supports), with a

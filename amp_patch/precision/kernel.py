@@ -124,7 +124,7 @@ def sqrt_mode() -> str:
     the plain step; ``"ieee"``: the CPU's correctly rounded one, which is what
     this torch's ``sqrt`` gives, bit for bit too; ``"approximate"``: neither
     matches, and Adam's masters stay within a few ulps of the plain step's
-    (tests/test_fused_step_c.py states the bound). "" when the kernel is not built.
+    (tests/precision/test_fused_step_c.py states the bound). "" when the kernel is not built.
     """
     if native is None:
         return ""

@@ -228,7 +228,7 @@ def test_unavailable_mode_is_a_row_not_a_crash(capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_demo_through_python_dash_m():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(
         [sys.executable, "-m", "amp_patch", "demo", "--size", "16", "--batch-size", "8", "--batches", "2",
          "--steps", "2", "--rounds", "2", "--warmup", "1", "--modes", "FP32,O1", "--no-progress"],

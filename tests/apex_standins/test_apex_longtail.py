@@ -33,7 +33,7 @@ from amp_patch.apex.normalization import fused_layer_norm as N
 from amp_patch.apex.optimizers import FP16_Optimizer, FusedAdam
 from amp_patch.apex.reparameterization import apply_weight_norm, remove_weight_norm
 from amp_patch.frontends import alias, scan
-from helpers import case_results, run_workers, serve_cases
+from helpers import case_results, mlp, run_workers, serve_cases
 
 f32 = torch.float32
 
@@ -186,8 +186,7 @@ def test_old_fused_adam_keywords_select_the_first_kernel_with_clipping():
 
 
 def _half_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).half()
+    return mlp(4, 8, 2, act=nn.Tanh, dtype=torch.float16)
 
 
 @pytest.mark.parametrize("wrapper", ["flat", "contrib"])

@@ -22,8 +22,8 @@ import pytest
 from amp_patch.frontends import cli, scan
 from helpers import ENV
 
-SCRIPTS = Path(__file__).parent / "scripts" / "apex_era"
-REPO = Path(__file__).parent.parent
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "apex_era"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(args, tmp_path, timeout=240, **env):

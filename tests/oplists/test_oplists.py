@@ -255,7 +255,7 @@ def test_the_readmes_override_example_loads_and_each_line_does_what_its_comment_
 
     import yaml
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "remove:" in b)
     default = load()
     table = load(yaml.safe_load(block)).resolve(torch.float16, "cuda")

@@ -20,8 +20,8 @@ from amp_patch import frontend, oplists
 from amp_patch.frontends import cli
 from helpers import ENV, write
 
-SCRIPTS = Path(__file__).parent / "scripts"
-REPO = Path(__file__).parent.parent
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 

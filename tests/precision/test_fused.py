@@ -26,7 +26,7 @@ bf16, f32 = torch.bfloat16, torch.float32
 @pytest.fixture(autouse=True)
 def compiled_only(monkeypatch):
     """These tests are about the compiled update: the one-pass C step (which
-    O2/O5 take first, tests/test_fused_step_c.py) is left out, as where it is not built."""
+    O2/O5 take first, tests/precision/test_fused_step_c.py) is left out, as where it is not built."""
     monkeypatch.setattr(kernel, "native", None)
 
 

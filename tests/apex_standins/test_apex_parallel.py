@@ -41,7 +41,7 @@ IGNORED_GIVEN = dict(message_size=1000, delay_allreduce=True, num_allreduce_stre
 
 
 def _mlp(seed=0, dtype=torch.float32):
-    return mlp(6, 8, 3, seed=seed).to(dtype)
+    return mlp(6, 8, 3, seed=seed, dtype=dtype)
 
 
 def _bn_net():

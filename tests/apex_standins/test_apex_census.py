@@ -20,7 +20,7 @@ import amp_patch
 from amp_patch import amp as amp_patch_amp
 from amp_patch.frontends import alias, scan
 
-CENSUS = json.loads((Path(__file__).parent / "data" / "apex_census.json").read_text())["files"]
+CENSUS = json.loads((Path(__file__).resolve().parents[1] / "data" / "apex_census.json").read_text())["files"]
 IDS = [f"{e['repo']}:{e['path']}@{e['commit'][:8]}" for e in CENSUS]
 TOKEN = re.compile(r"\.(\*|[A-Za-z_]\w*)|(\[\])|(\(\))|\((\w+)=\)|( =)$")
 
