@@ -13,7 +13,7 @@ from ..precision.optimizers import inner_optimizer
 from ..options import Options
 from . import patches
 from .scaler import LossScaler
-from .state import Handle, after_backward, before_backward, run_of, transfer
+from .state import Handle, after_backward, arm, before_backward, run_of, transfer
 
 Tensor = torch.Tensor
 
@@ -117,12 +117,13 @@ def scale_loss(
         if scaler.active:
             hooks = patches.guard_foreign(run, loss, run.handles, loss_id, scaler.scale)[1]
         before_backward(run, handles, loss_id)
+        armed = None if delay_unscale else arm(run, handles, loss_id)
         try:
             yield loss.float() * scaler.scale if scaler.active else loss.float()
         finally:
             for hook in hooks:
                 hook.remove()
-            after_backward(run, handles, loss_id, delay_unscale=bool(delay_unscale))
+            after_backward(run, handles, loss_id, delay_unscale=bool(delay_unscale), armed=armed)
     finally:
         amp.flight.leave()
 
