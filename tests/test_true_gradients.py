@@ -500,7 +500,7 @@ class _Seen(torch.autograd.Function):
         return g, None
 
 
-def _o2_loop(half_dtype, monkeypatch, hooked, how="plain", backwards=3, steps=2, scale=1024.0):
+def _o2_loop(half_dtype, monkeypatch, hooked, how="plain", zero="optimizer", backwards=3, steps=3, scale=1024.0):
     """Masters' gradients after each backward, and the masters after the steps, of an
     O2 loop whose backwards move half gradients as they arrive (``hooked``) or at their end."""
     if not hooked:
@@ -511,7 +511,9 @@ def _o2_loop(half_dtype, monkeypatch, hooked, how="plain", backwards=3, steps=2,
     with amp(model, opt, "O2", half_dtype=half_dtype, **extra) as (model, opt):
         masters = list(amp_patch.master_params(opt))
         for step in range(steps):
-            opt.zero_grad()
+            # the optimizer's zero_grad releases these small FP32 buffers (their first
+            # backward fills them at its end); the model's keeps them (filled as gradients arrive)
+            (opt if zero == "optimizer" else model).zero_grad()
             for k in range(backwards):
                 x, y = data(backwards * step + k)
                 loss = F.mse_loss(model(x), y)
@@ -531,10 +533,11 @@ def _o2_loop(half_dtype, monkeypatch, hooked, how="plain", backwards=3, steps=2,
 @needs_kernel
 @pytest.mark.parametrize("half_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("how", ["plain", "scale_loss"])
-def test_o2_moving_each_half_gradient_as_it_arrives_gives_the_same_bits(half_dtype, how, monkeypatch):
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_o2_moving_each_half_gradient_as_it_arrives_gives_the_same_bits(half_dtype, how, zero, monkeypatch):
     # three backwards per step: the first writes the masters' gradients, the next two add to them
-    got_grads, got = _o2_loop(half_dtype, monkeypatch, hooked=True, how=how)
-    ref_grads, ref = _o2_loop(half_dtype, monkeypatch, hooked=False, how=how)
+    got_grads, got = _o2_loop(half_dtype, monkeypatch, hooked=True, how=how, zero=zero)
+    ref_grads, ref = _o2_loop(half_dtype, monkeypatch, hooked=False, how=how, zero=zero)
     for gs, rs in zip(got_grads, ref_grads):
         for g, r in zip(gs, rs):
             assert g.dtype == torch.float32
@@ -550,13 +553,20 @@ def test_o2_a_half_gradient_is_in_its_master_before_the_backward_ends():
     with amp(model, opt, "O2", half_dtype=f16, loss_scale=1024.0) as (model, opt):
         last = model[-1].weight
         master = _master.lookup(session.current(), last)
-        seen = []
         x, y = data()
+        F.mse_loss(model(x), y).backward()  # makes the FP32 buffers, which model.zero_grad() keeps
+        opt.step()
+        model.zero_grad()
+        seen = []
         F.mse_loss(model(_Seen.apply(x.requires_grad_(), (last, master, seen))), y).backward()
         (half_grad, master_grad), = seen
         assert half_grad is None  # dropped as soon as its master had it
         assert master_grad is not None and master_grad.dtype == torch.float32
-        ref = fp32_grads(net(), data())[-2]
+        ref_model = net()
+        with torch.no_grad():
+            for r, m in zip(ref_model.parameters(), amp_patch.master_params(opt)):
+                r.copy_(m)
+        ref = fp32_grads(ref_model, data())[-2]
         torch.testing.assert_close(master_grad, ref, **TOL)  # unscaled already
         torch.testing.assert_close(master.grad, master_grad)
 
@@ -566,9 +576,12 @@ def test_o2_an_overflow_found_as_gradients_arrive_skips_the_step():
     model = net()
     opt = sgd(model)
     with amp(model, opt, "O2", half_dtype=f16, loss_scale="dynamic") as (model, opt):
+        x, y = data()
+        F.mse_loss(model(x), y).backward()  # makes the FP32 buffers, which model.zero_grad() keeps
+        opt.step()
+        model.zero_grad()
         before = [m.detach().clone() for m in amp_patch.master_params(opt)]
         scale = amp_patch.counters()["loss_scale"][0]
-        x, y = data()
         x = x.clone()
         x[0, 0] = float("inf")
         F.mse_loss(model(x), y).backward()

@@ -158,6 +158,8 @@ class MasterWeights:
         its master's FP32 gradient at once, multiplied by ``inv`` and checked for inf/NaN
         into the FP32 flag at address ``found`` (0: not checked), and the half gradient is
         dropped: the half and FP32 gradients of the whole model are never alive together.
+        Only gradients whose FP32 memory exists already move early (a buffer kept through
+        ``zero_grad``, a gradient to add to); the others wait for the backward's end.
         ``collect_grads`` at the backward's end takes what the hooks left (a gradient they
         cannot take) and does the bookkeeping."""
         hooks = self.hooks
@@ -185,18 +187,23 @@ class MasterWeights:
             return
         m = self.masters[i]
         n = m.numel()
+        # Only into memory that exists already: a buffer allocated here would be taken
+        # while the backward's activations are still alive, raising the peak by more than
+        # the half gradient frees. Buffers zero_grad released are made at the backward's end.
         if i in self.absorbed or self.holds_partial_sum:
             dst = m.grad
             if dst is None:
-                dst, mode = self._buffer(i), 2  # as adding into a zeroed buffer
+                dst, mode = self.grads[i], 2  # as adding into a zeroed buffer
+                if dst is None or not dst.is_contiguous():
+                    return
             elif (dst.dtype is not f32 or dst.layout is not torch.strided or not dst.is_contiguous()
                   or dst.device.type != "cpu" or dst.numel() != n):
                 return  # a gradient user code put there: collect_grads adds to it
             else:
                 mode = 1
         else:
-            dst, mode = self._buffer(i), 0
-            if not dst.is_contiguous():
+            dst, mode = self.grads[i], 0
+            if dst is None or not dst.is_contiguous():
                 return
         inv, found = self.armed  # type: ignore[misc]
         kernel.native.absorb([(dst.data_ptr(), g.data_ptr(), kernel.KINDS[g.dtype], 0, 0, 0, 0, 0, n, 0, mode)],
