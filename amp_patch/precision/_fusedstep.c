@@ -207,6 +207,26 @@ static void sqrt_scalar(const float *x, float *r, int64_t n) {
     for (int64_t i = 0; i < n; i++) r[i] = sqrtf(x[i]);
 }
 
+/* Gradient absorption: p (an FP32 master gradient) takes the gradient g times inv, as
+   torch's unscale-and-check computes it (the element is checked before the multiply, and
+   inv == 1 multiplies nothing). it->init is the mode: ABS_WRITE p = v, ABS_ADD p = p + v,
+   ABS_ZERO_ADD p = 0 + v (what adding into a zeroed buffer gives, -0 becoming +0). */
+enum { ABS_WRITE = 0, ABS_ADD = 1, ABS_ZERO_ADD = 2 };
+
+static int absorb_scalar(const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {
+    int bad = 0;
+    const int scale = hp->inv != 1.0f, mode = it->init;
+    for (int64_t i = lo; i < hi; i++) {
+        float v = load_g(it->g, it->gk, i);
+        bad |= !isfinite(v);
+        if (scale) v = v * hp->inv;
+        if (mode == ABS_ADD) v = it->p[i] + v;
+        else if (mode == ABS_ZERO_ADD) v = 0.0f + v;
+        it->p[i] = v;
+    }
+    return bad;
+}
+
 static int check_scalar(const Item *it, int64_t lo, int64_t hi) {
     int bad = 0;
     for (int64_t i = lo; i < hi; i++) bad |= !isfinite(load_g(it->g, it->gk, i));
@@ -457,6 +477,39 @@ TARGET static int check_##SUF(const Item *it, int64_t lo, int64_t hi) {         
     default: bad = check_loop_##SUF(it->g, lo, end, K_F32); break;                                \
     }                                                                                             \
     return bad | check_scalar(it, end, hi);                                                       \
+}                                                                                                 \
+                                                                                                  \
+TARGET static inline __attribute__((always_inline)) int absorb_loop_##SUF(                       \
+        const Item *it, const Hyper *hp, int64_t lo, int64_t end, const int gk, const int mode) { \
+    float *const pp = it->p;                                                                      \
+    const void *const gg = it->g;                                                                 \
+    const int scale = hp->inv != 1.0f;                                                            \
+    const int nt = mode == ABS_WRITE && it->n >= g_stream_min && ((uintptr_t)pp & 63) == 0;       \
+    const __m##VF inv = P##_set1_ps(hp->inv), zero = P##_setzero_ps();                            \
+    __m##VF acc = P##_setzero_ps();                                                               \
+    for (int64_t i = lo; i < end; i += W) {                                                       \
+        __m##VF v = PRE##load_g(gg, gk, i);                                                       \
+        BAD(P, acc, v);                                                                           \
+        if (scale) v = P##_mul_ps(v, inv);                                                        \
+        if (mode == ABS_ADD) v = P##_add_ps(P##_loadu_ps(pp + i), v);                             \
+        else if (mode == ABS_ZERO_ADD) v = P##_add_ps(zero, v);                                   \
+        if (nt) P##_stream_ps(pp + i, v);                                                         \
+        else P##_storeu_ps(pp + i, v);                                                            \
+    }                                                                                             \
+    return PRE##ANY_NAN(acc);                                                                     \
+}                                                                                                 \
+                                                                                                  \
+TARGET static int absorb_##SUF(const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {        \
+    int64_t end = lo + (hi - lo) / W * W;                                                         \
+    int bad;                                                                                      \
+    switch (it->gk * 4 + it->init) {                                                              \
+    case K_BF16 * 4 + ABS_WRITE: bad = absorb_loop_##SUF(it, hp, lo, end, K_BF16, ABS_WRITE); break; \
+    case K_F16 * 4 + ABS_WRITE: bad = absorb_loop_##SUF(it, hp, lo, end, K_F16, ABS_WRITE); break; \
+    case K_BF16 * 4 + ABS_ADD: bad = absorb_loop_##SUF(it, hp, lo, end, K_BF16, ABS_ADD); break;  \
+    case K_F16 * 4 + ABS_ADD: bad = absorb_loop_##SUF(it, hp, lo, end, K_F16, ABS_ADD); break;    \
+    default: bad = absorb_loop_##SUF(it, hp, lo, end, it->gk, it->init); break;                   \
+    }                                                                                             \
+    return bad | absorb_scalar(it, hp, end, hi);                                                  \
 }
 
 #define SGD_CALL_avx512(G, H) bad = sgd_loop_avx512(it, hp, lo, end, G, H)
@@ -484,7 +537,7 @@ static int best_isa(void) {
 static int g_best = ISA_SCALAR; /* what this CPU can run */
 static int g_isa = ISA_SCALAR;  /* what runs (tests lower it to compare the versions) */
 
-enum { OP_SGD = 0, OP_ADAM = 1, OP_CHECK = 2 };
+enum { OP_SGD = 0, OP_ADAM = 1, OP_CHECK = 2, OP_ABSORB = 3 };
 
 /* torch's own square root routine, when amp_patch.precision.kernel found one that gives
    exactly what torch.sqrt gives (set_sqrt); NULL: the CPU's correctly rounded one */
@@ -523,6 +576,13 @@ static int adam_range(int isa, const Item *it, const Hyper *hp, int64_t lo, int6
 
 static int run_range(int op, int isa, const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {
     if (op == OP_ADAM) return adam_range(isa, it, hp, lo, hi);
+    if (op == OP_ABSORB) {
+#if FS_X86
+        if (isa == ISA_AVX512) return absorb_avx512(it, hp, lo, hi);
+        if (isa == ISA_AVX2) return absorb_avx2(it, hp, lo, hi);
+#endif
+        return absorb_scalar(it, hp, lo, hi);
+    }
 #if FS_X86
     if (isa == ISA_AVX512) return op == OP_SGD ? sgd_avx512(it, hp, lo, hi) : check_avx512(it, lo, hi);
     if (isa == ISA_AVX2) return op == OP_SGD ? sgd_avx2(it, hp, lo, hi) : check_avx2(it, lo, hi);
@@ -751,6 +811,35 @@ static PyObject *py_check(PyObject *self, PyObject *args) {
     return finish(items, run_all(OP_CHECK, items, n, &hp, threads));
 }
 
+PyDoc_STRVAR(absorb_doc,
+"absorb(items, threads, inv, found) -> found_inf\n\n"
+"Move gradients into FP32 master gradients in one pass: each item (p, g, gk, _, _, _, _, _, n, _, mode)\n"
+"reads the gradient g (kind gk), multiplies it by inv (not when inv is 1) and writes p = v (mode 0),\n"
+"p = p + v (1) or p = 0 + v (2); an inf or NaN gradient element sets the FP32 at address found\n"
+"(0: none) to 1.0, as torch's unscale-and-check does. Returns whether one was found.");
+
+static PyObject *py_absorb(PyObject *self, PyObject *args) {
+    PyObject *seq, *fo;
+    int threads;
+    double inv;
+    void *found;
+    if (!PyArg_ParseTuple(args, "OidO", &seq, &threads, &inv, &fo) || as_ptr(fo, &found)) return NULL;
+    Hyper hp;
+    memset(&hp, 0, sizeof hp);
+    hp.inv = (float)inv;
+    Py_ssize_t n;
+    Item *items = parse_items(seq, &n);
+    if (!items) return NULL;
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (!items[k].p || items[k].init < ABS_WRITE || items[k].init > ABS_ZERO_ADD) {
+            PyMem_Free(items);
+            return PyErr_Format(PyExc_ValueError, "item %zd: absorb needs a destination and a mode 0, 1 or 2", k);
+        }
+    int bad = run_all(OP_ABSORB, items, n, &hp, threads);
+    if (bad > 0 && found) *(float *)found = 1.0f;
+    return finish(items, bad);
+}
+
 PyDoc_STRVAR(set_sqrt_doc,
 "set_sqrt(address) -> None\n\n"
 "The square root routine Adam's denominator uses: the address of a C function void(int n, const float *x,\n"
@@ -849,6 +938,7 @@ static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS, sgd_doc},
     {"adam", py_adam, METH_VARARGS, adam_doc},
     {"non_finite", py_check, METH_VARARGS, check_doc},
+    {"absorb", py_absorb, METH_VARARGS, absorb_doc},
     {"isa", py_isa, METH_VARARGS, isa_doc},
     {"set_sqrt", py_set_sqrt, METH_VARARGS, set_sqrt_doc},
     {"stream_min", py_stream_min, METH_VARARGS, stream_doc},

@@ -23,13 +23,16 @@ call, never as a Python loop of tensor ops per parameter.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
 from ..patching.cast import LOW
+from . import kernel
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from ..run.session import Session
 
 Tensor = torch.Tensor
@@ -76,6 +79,13 @@ class MasterWeights:
         self.versions: Optional[List[int]] = None
         #: the half gradients stay in the model as DDP's running sum (``collect_grads(keep_half=True)``)
         self.kept_half = False
+        #: (inverse scale, address of the FP32 inf/NaN flag or 0) while a backward moves each half
+        #: gradient into its master as autograd finishes it (``arm``); None otherwise
+        self.armed: Optional[Tuple[float, int]] = None
+        #: the masters the armed backward has given a gradient so far (``collect_grads`` takes them)
+        self.absorbed: Set[int] = set()
+        #: one post-accumulate-grad hook handle per half parameter (None: it needs no gradient)
+        self.hooks: List["RemovableHandle"] = []
 
     def __len__(self) -> int:
         return len(self.halfs)
@@ -140,6 +150,74 @@ class MasterWeights:
         i = self.index.get(id(param))
         return i is not None and self.masters[i] is param
 
+    # ------------------------------------------------------------ per backward, as gradients arrive
+
+    def can_arm(self) -> bool:
+        """Whether a backward can move each half gradient into its master as it arrives:
+        the one-pass C routine is built and the masters are on the CPU (a single process;
+        the caller checks that)."""
+        return kernel.native is not None and bool(self.masters) and self.masters[0].device.type == "cpu"
+
+    def arm(self, inv: float, found: int) -> None:
+        """From now until ``disarm``, each half gradient autograd finishes is moved into
+        its master's FP32 gradient at once, multiplied by ``inv`` and checked for inf/NaN
+        into the FP32 flag at address ``found`` (0: not checked), and the half gradient is
+        dropped: the half and FP32 gradients of the whole model are never alive together.
+        Only gradients whose FP32 memory exists already move early (a buffer kept through
+        ``zero_grad``, a gradient to add to); the others wait for the backward's end.
+        ``collect_grads`` at the backward's end takes what the hooks left (a gradient they
+        cannot take) and does the bookkeeping."""
+        hooks = self.hooks
+        for h in self.halfs[len(hooks):]:
+            hooks.append(h.register_post_accumulate_grad_hook(self._hook(len(hooks))) if h.requires_grad else None)
+        self.absorbed.clear()
+        self.armed = (inv, found)
+
+    def disarm(self) -> None:
+        self.armed = None
+
+    def _hook(self, i: int) -> Callable[[Tensor], None]:
+        def absorb(half: Tensor) -> None:
+            if self.armed is not None:
+                self._absorb(i, half)
+
+        return absorb
+
+    def _absorb(self, i: int, half: Tensor) -> None:
+        g = half.grad
+        # what the C routine takes: a dense, contiguous CPU gradient of the half's dtype
+        # that no other hook of this parameter still wants to see, out of a graph
+        if (g is None or g.dtype is not half.dtype or g.layout is not torch.strided or g.requires_grad
+                or not g.is_contiguous() or g.device.type != "cpu" or len(half._post_accumulate_grad_hooks) != 1):
+            return
+        m = self.masters[i]
+        n = m.numel()
+        # Only into memory that exists already: a buffer allocated here would be taken
+        # while the backward's activations are still alive, raising the peak by more than
+        # the half gradient frees. Buffers zero_grad released are made at the backward's end.
+        if i in self.absorbed or self.holds_partial_sum:
+            dst = m.grad
+            if dst is None:
+                dst, mode = self.grads[i], 2  # as adding into a zeroed buffer
+                if dst is None or not dst.is_contiguous():
+                    return
+            elif (dst.dtype is not f32 or dst.layout is not torch.strided or not dst.is_contiguous()
+                  or dst.device.type != "cpu" or dst.numel() != n):
+                return  # a gradient user code put there: collect_grads adds to it
+            else:
+                mode = 1
+        else:
+            dst, mode = self.grads[i], 0
+            if dst is None or not dst.is_contiguous():
+                return
+        inv, found = self.armed  # type: ignore[misc]
+        kernel.native.absorb([(dst.data_ptr(), g.data_ptr(), kernel.KINDS[g.dtype], 0, 0, 0, 0, 0, n, 0, mode)],
+                             torch.get_num_threads(), inv, found)
+        if mode != 1:
+            m.grad = dst
+        half.grad = None
+        self.absorbed.add(i)
+
     # ------------------------------------------------------------ per step
 
     def collect_grads(self, unscale: Optional[Callable[[List[Tensor]], None]], keep_half: bool = False) -> None:
@@ -152,8 +230,9 @@ class MasterWeights:
         copy of the whole sum; the step drops them (``consumed``).
         """
         halfs, masters = self.halfs, self.masters
+        absorbed = self.absorbed  # the masters an armed backward's hooks gave their gradient already
         idx = [i for i, h in enumerate(halfs) if h.grad is not None]
-        if not idx:
+        if not idx and not absorbed:
             return
         if keep_half:
             self.holds_partial_sum = False  # the masters copy the model's whole sum each time
@@ -161,29 +240,36 @@ class MasterWeights:
         sparse = {i for i in idx if halfs[i].grad.is_sparse}
         if sparse:
             idx = [i for i in idx if i not in sparse]
-        incoming = [halfs[i].grad for i in idx]
         if not self.holds_partial_sum:
-            if idx:
-                bufs = [self._buffer(i) for i in idx]
-                torch._foreach_copy_(bufs, incoming)
-                if unscale is not None:
-                    unscale(bufs)
-            has = set(idx)
+            fresh = [i for i in idx if i not in absorbed] if absorbed else idx
+            if fresh:
+                bufs = [self._buffer(i) for i in fresh]
+                if not self._absorb_all(fresh, bufs, unscale):
+                    torch._foreach_copy_(bufs, [halfs[i].grad for i in fresh])
+                    if unscale is not None:
+                        unscale(bufs)
+            has = set(idx) | absorbed | sparse
             for i, m in enumerate(masters):
                 if i in has:
-                    m.grad = self.grads[i]
+                    if i not in absorbed and i not in sparse:
+                        m.grad = self.grads[i]
                 elif not self.zeroed:
                     # a master whose half got no gradient this step must not step on
                     # the last step's (model.zero_grad() cannot reach the masters)
                     m.grad = None
-        elif idx:
+            added = [i for i in idx if i in absorbed] if absorbed else []
+        else:
+            added = idx
+        if added:
+            incoming = [halfs[i].grad for i in added]
             if unscale is not None:
                 incoming = [g.float() for g in incoming]
                 unscale(incoming)
-            for i in idx:
+            for i in added:
                 if masters[i].grad is None:
                     masters[i].grad = self._buffer(i).zero_()
-            torch._foreach_add_([masters[i].grad for i in idx], incoming)
+            torch._foreach_add_([masters[i].grad for i in added], incoming)
+        absorbed.clear()
         if sparse:
             self._collect_sparse(sorted(sparse), unscale)
         if keep_half:
@@ -193,6 +279,29 @@ class MasterWeights:
         for i in sparse:
             halfs[i].grad = None
         self.holds_partial_sum = True
+
+    def _absorb_all(self, idx: List[int], bufs: List[Tensor], unscale: Optional[Callable[[List[Tensor]], None]]) -> bool:
+        """Copy (and unscale and check) the half gradients of ``idx`` into ``bufs`` in one
+        C pass, instead of a copy and then an unscale. False, with nothing done, where the
+        C routine cannot take them all (not built, CUDA, an odd layout)."""
+        if kernel.native is None:
+            return False
+        if unscale is None:
+            inv, found = 1.0, 0
+        else:
+            cpu_args = getattr(unscale, "cpu_args", None)
+            if cpu_args is None:
+                return False
+            inv, found = cpu_args()
+        items = []
+        for i, b in zip(idx, bufs):
+            g = self.halfs[i].grad
+            if (g.dtype not in LOW or g.layout is not torch.strided or g.requires_grad or g.device.type != "cpu"
+                    or not g.is_contiguous() or not b.is_contiguous() or g.numel() != b.numel()):
+                return False
+            items.append((b.data_ptr(), g.data_ptr(), kernel.KINDS[g.dtype], 0, 0, 0, 0, 0, b.numel(), 0, 0))
+        kernel.native.absorb(items, torch.get_num_threads(), inv, found)
+        return True
 
     def absorb_true_grads(self) -> None:
         """Half gradients a backward amp_patch did not scale left in the model
@@ -232,6 +341,7 @@ class MasterWeights:
         cannot reach the masters) ran, and an earlier zero_grad no longer counts."""
         self.holds_partial_sum = False
         self.zeroed = False
+        self.absorbed.clear()
         if self.kept_half:
             for h in self.halfs:
                 h.grad = None
@@ -260,6 +370,7 @@ class MasterWeights:
                     if self.masters[i].grad is None:
                         self.masters[i].grad = self._buffer(i).zero_()
         self.holds_partial_sum = False
+        self.absorbed.clear()
         self.zeroed = not set_to_none
         if set_to_none and self.masters:
             # The FP32 gradient buffers go with the gradients, so they are not held
@@ -294,6 +405,11 @@ class MasterWeights:
     def restore(self) -> None:
         """Give the model's parameters back to the optimizer, holding the masters' values."""
         opt = self.optimizer
+        for hook in self.hooks:
+            if hook is not None:
+                hook.remove()
+        self.hooks, self.armed = [], None
+        self.absorbed.clear()
         where = {id(p): (g, j) for g in opt.param_groups for j, p in enumerate(g["params"])}
         for h, m, dtype in zip(self.halfs, self.masters, self.dtypes):
             h.grad = None

@@ -11,7 +11,7 @@ from ..base.errors import ConfigError, StateError
 from ..precision import master
 from ..precision.optimizers import inner_optimizer
 from . import patches
-from .state import Handle, after_backward, before_backward, run_of, transfer
+from .state import Handle, after_backward, arm, before_backward, run_of, transfer
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -106,12 +106,13 @@ def scale_loss(
         if scaler.active:
             hooks = patches.guard_foreign(run, loss, run.handles, loss_id, scaler.scale)[1]
         before_backward(run, handles, loss_id)
+        armed = None if delay_unscale else arm(run, handles, loss_id)
         try:
             yield loss.float() * scaler.scale if scaler.active else loss.float()
         finally:
             for hook in hooks:
                 hook.remove()
-            after_backward(run, handles, loss_id, delay_unscale=bool(delay_unscale))
+            after_backward(run, handles, loss_id, delay_unscale=bool(delay_unscale), armed=armed)
     finally:
         amp.flight.leave()
 

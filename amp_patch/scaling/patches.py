@@ -13,7 +13,7 @@ from ..base import running
 from ..patching.wrappers import OpWrapper, switch
 from ..precision import master
 from . import leaves
-from .state import Handle, Run, after_backward, before_backward, run_of, transfer_all
+from .state import Handle, Run, after_backward, arm, before_backward, run_of, transfer_all
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -141,13 +141,14 @@ def make_backward_patch(amp: "Session"):
                         # attached optimizer owns runs as written, unscaled
                         return wrapped(*args, **kwargs)
                 before_backward(run, handles, 0)
+                armed = arm(run, handles, 0)
                 loss = instance.float() * scaler.scale if scaler.active else instance
                 try:
                     return original(loss, *args, **kwargs)
                 finally:
                     for hook in hooks:
                         hook.remove()
-                    after_backward(run, handles, 0)
+                    after_backward(run, handles, 0, armed=armed)
             finally:
                 amp.cache.clear()
                 flight.leave()

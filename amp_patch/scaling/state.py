@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
+_CPU = torch.device("cpu")
 
 class Stage(enum.Enum):
     """Where an attached optimizer's gradients are, as torch's ``OptState`` is for ``GradScaler``."""
@@ -239,6 +240,12 @@ class _Unscale:
     def __init__(self, run: Run, check: int, loss_id: int, scale: float):
         self.run, self.check, self.loss_id, self.scale = run, check, loss_id, scale
 
+    def cpu_args(self) -> Tuple[float, int]:
+        """``(1 / scale, address of the CPU inf/NaN flag)``: what the C routine that
+        unscales and checks CPU gradients as it moves them takes (``precision.master``)."""
+        flag = self.run.found_flag(self.check, _CPU)
+        return 1.0 / self.scale, flag.data_ptr()
+
     def __call__(self, tensors: List[Tensor]) -> None:
         by_device: Dict[torch.device, List[Tensor]] = {}
         for t in tensors:
@@ -311,16 +318,18 @@ def _absorb(h: Handle) -> None:
         h.masters.absorb_true_grads()
 
 
-def transfer_group(run: Run, handles: Sequence[Handle]) -> None:
+def transfer_group(run: Run, handles: Sequence[Handle], armed: Optional["Armed"] = None) -> None:
     """Unscale the pending gradients of ``handles`` (each tensor once), into the
-    masters under O2, and fold their inf/NaN check into this step's flag."""
+    masters under O2, and fold their inf/NaN check into this step's flag
+    (``armed``: the backward that just ended moved gradients as they arrived,
+    under that check)."""
     by_loss: Dict[int, List[Handle]] = {}
     for h in handles:
         if h.pending is not None and h not in by_loss.get(h.pending, ()):
             by_loss.setdefault(h.pending, []).append(h)
     keep = distributed()
     for l, group in by_loss.items():
-        unscale = run.unscaler(l)
+        unscale = armed.unscale if armed is not None and armed.loss_id == l else run.unscaler(l)
         seen: set = set()
         grads: List[Tensor] = []
         for h in group:
@@ -409,9 +418,44 @@ def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
             _park_true_grads(h)
 
 
-def after_backward(run: Run, handles: Sequence[Handle], loss_id: int, delay_unscale: bool = False) -> None:
+class Armed:
+    """The masters of one backward that take each half gradient as autograd finishes it,
+    and the inf/NaN check they fold it into (``unscale``; None when the loss is not scaled)."""
+
+    def __init__(self, loss_id: int, unscale: Optional[_Unscale], masters: List[master.MasterWeights]):
+        self.loss_id, self.unscale, self.masters = loss_id, unscale, masters
+
+    def disarm(self) -> None:
+        for mw in self.masters:
+            mw.disarm()
+
+
+def arm(run: Run, handles: Sequence[Handle], loss_id: int) -> Optional[Armed]:
+    """Before a backward of ``loss_id`` whose end unscales (no ``delay_unscale``): have
+    the masters of ``handles`` take each half gradient, unscaled and checked, as soon
+    as autograd finishes it (``MasterWeights.arm``), so the model's half gradients and
+    the masters' FP32 ones are not all alive together. A single process on the CPU
+    only: DDP's all-reduce reads the half gradients after the backward. Returns what
+    ``after_backward`` needs, or None when nothing was armed."""
+    if distributed():
+        return None
+    mws = [h.masters for h in handles if h.masters is not None and h.masters.can_arm()]
+    if not mws:
+        return None
+    unscale = run.unscaler(loss_id)
+    inv, found = unscale.cpu_args() if unscale is not None else (1.0, 0)
+    for mw in mws:
+        mw.arm(inv, found)
+    return Armed(loss_id, unscale, mws)
+
+
+def after_backward(run: Run, handles: Sequence[Handle], loss_id: int, delay_unscale: bool = False,
+                   armed: Optional[Armed] = None) -> None:
     """After a backward of ``loss_id`` into ``handles``: unscale and check its
-    gradients now, unless ``delay_unscale`` leaves that to a later exit."""
+    gradients now, unless ``delay_unscale`` leaves that to a later exit
+    (``armed``: what ``arm`` made before it; disarmed here)."""
+    if armed is not None:
+        armed.disarm()
     if not run.scalers[loss_id].active and not any(h.masters is not None and len(h.masters) for h in handles):
         return
     foreign = run.foreign.pop(loss_id, ())
@@ -420,7 +464,7 @@ def after_backward(run: Run, handles: Sequence[Handle], loss_id: int, delay_unsc
         h.fed_by.update(foreign)
     run.undecided = True
     if not delay_unscale:
-        transfer_group(run, handles)
+        transfer_group(run, handles, armed)
 
 
 def decide_skips(run: Run) -> None:

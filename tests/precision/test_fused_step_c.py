@@ -448,3 +448,42 @@ def test_without_the_built_kernel_o2_takes_the_plain_step(tmp_path):
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
     assert "plain ok" in res.stdout
+
+
+# ---------------------------------------------------------------- absorb: half gradient -> FP32 master gradient
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [bf16, f16])
+@pytest.mark.parametrize("n", [1, 37, 40_000, (1 << 21) + 5])  # the last one streams its stores
+def test_absorb_gives_torchs_copy_unscale_and_add_bit_for_bit(isa, dtype, n):
+    g = torch.Generator().manual_seed(n)
+    grad = (torch.randn(n, generator=g) * 300).to(dtype)
+    grad[n // 3] = -0.0
+    saved = C.isa()
+    try:
+        C.isa(isa)
+        for mode in (0, 1, 2):
+            for inv in (1.0, 1 / 1024, 3.0):
+                dst = torch.randn(n, generator=g)
+                before = dst.clone()
+                found = torch.zeros(())
+                bad = C.absorb([(dst.data_ptr(), grad.data_ptr(), kernel.KINDS[dtype], 0, 0, 0, 0, 0, n, 0, mode)],
+                               2, inv, found.data_ptr())
+                # what the end-of-backward path computes: a copy, torch's unscale-and-check, an add
+                v = grad.float()
+                ref_found = torch.zeros(())
+                torch._amp_foreach_non_finite_check_and_unscale_([v], ref_found, torch.full((), inv))
+                ref = v if mode == 0 else (before + v if mode == 1 else torch.zeros(n) + v)
+                assert torch.equal(dst.view(torch.int32), ref.view(torch.int32)), (mode, inv)
+                assert not bad and found.item() == 0.0 == ref_found.item()
+        for bad_value in (float("inf"), float("nan")):
+            poisoned = grad.clone()
+            poisoned[n - 1] = bad_value
+            dst, found = torch.empty(n), torch.zeros(())
+            assert C.absorb([(dst.data_ptr(), poisoned.data_ptr(), kernel.KINDS[dtype], 0, 0, 0, 0, 0, n, 0, 0)],
+                            1, 0.5, found.data_ptr())
+            assert found.item() == 1.0
+    finally:
+        C.isa(saved)

@@ -473,3 +473,163 @@ def test_functional_call_with_fp32_parameters_at_o2_computes_in_fp32():
         assert model(x).dtype == torch.float32  # the model's own call: half inside, FP32 out
         half = {k: v.detach().half() for k, v in ref.named_parameters()}
         torch.testing.assert_close(functional_call(model, half, (x,)), model(x))
+
+
+# ---------------------------------------------------------------- O2: half gradients move as they arrive
+
+
+from amp_patch import session  # noqa: E402
+from amp_patch.precision import kernel as _kernel, master as _master  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(_kernel.native is None, reason="the C step kernel is not built here")
+
+
+class _Seen(torch.autograd.Function):
+    """Identity whose backward runs last (it is applied to the input) and records, at
+    that moment, the last layer's half gradient and its master's FP32 one."""
+
+    @staticmethod
+    def forward(ctx, x, probe):
+        ctx.probe = probe
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        half, master, seen = ctx.probe
+        seen.append((half.grad, None if master.grad is None else master.grad.clone()))
+        return g, None
+
+
+def _o2_loop(half_dtype, monkeypatch, hooked, how="plain", zero="optimizer", backwards=3, steps=3, scale=1024.0):
+    """Masters' gradients after each backward, and the masters after the steps, of an
+    O2 loop whose backwards move half gradients as they arrive (``hooked``) or at their end."""
+    if not hooked:
+        monkeypatch.setattr(_master.MasterWeights, "can_arm", lambda self: False)
+    model = net()
+    opt = sgd(model, lr=0.05)
+    grads, extra = [], {} if half_dtype == torch.bfloat16 else dict(loss_scale=scale)
+    with amp(model, opt, "O2", half_dtype=half_dtype, **extra) as (model, opt):
+        masters = list(amp_patch.master_params(opt))
+        for step in range(steps):
+            # the optimizer's zero_grad releases these small FP32 buffers (their first
+            # backward fills them at its end); the model's keeps them (filled as gradients arrive)
+            (opt if zero == "optimizer" else model).zero_grad()
+            for k in range(backwards):
+                x, y = data(backwards * step + k)
+                loss = F.mse_loss(model(x), y)
+                if how == "plain":
+                    loss.backward()
+                else:
+                    with amp_patch.scale_loss(loss, opt) as s:
+                        s.backward()
+                assert all(p.grad is None for p in model.parameters())  # no half gradient outlives the backward
+                grads.append([m.grad.clone() for m in masters])
+            opt.step()
+        out = [m.detach().clone() for m in masters]
+    monkeypatch.undo()
+    return grads, out
+
+
+@needs_kernel
+@pytest.mark.parametrize("half_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("how", ["plain", "scale_loss"])
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_o2_moving_each_half_gradient_as_it_arrives_gives_the_same_bits(half_dtype, how, zero, monkeypatch):
+    # three backwards per step: the first writes the masters' gradients, the next two add to them
+    got_grads, got = _o2_loop(half_dtype, monkeypatch, hooked=True, how=how, zero=zero)
+    ref_grads, ref = _o2_loop(half_dtype, monkeypatch, hooked=False, how=how, zero=zero)
+    for gs, rs in zip(got_grads, ref_grads):
+        for g, r in zip(gs, rs):
+            assert g.dtype == torch.float32
+            assert torch.equal(g.view(torch.int32), r.view(torch.int32))
+    for m, r in zip(got, ref):
+        assert torch.equal(m, r)
+
+
+@needs_kernel
+def test_o2_a_half_gradient_is_in_its_master_before_the_backward_ends():
+    model = net()
+    opt = sgd(model)
+    with amp(model, opt, "O2", half_dtype=f16, loss_scale=1024.0) as (model, opt):
+        last = model[-1].weight
+        master = _master.lookup(session.current(), last)
+        x, y = data()
+        F.mse_loss(model(x), y).backward()  # makes the FP32 buffers, which model.zero_grad() keeps
+        opt.step()
+        model.zero_grad()
+        seen = []
+        F.mse_loss(model(_Seen.apply(x.requires_grad_(), (last, master, seen))), y).backward()
+        (half_grad, master_grad), = seen
+        assert half_grad is None  # dropped as soon as its master had it
+        assert master_grad is not None and master_grad.dtype == torch.float32
+        ref_model = net()
+        with torch.no_grad():
+            for r, m in zip(ref_model.parameters(), amp_patch.master_params(opt)):
+                r.copy_(m)
+        ref = fp32_grads(ref_model, data())[-2]
+        torch.testing.assert_close(master_grad, ref, **TOL)  # unscaled already
+        torch.testing.assert_close(master.grad, master_grad)
+
+
+@needs_kernel
+def test_o2_an_overflow_found_as_gradients_arrive_skips_the_step():
+    model = net()
+    opt = sgd(model)
+    with amp(model, opt, "O2", half_dtype=f16, loss_scale="dynamic") as (model, opt):
+        x, y = data()
+        F.mse_loss(model(x), y).backward()  # makes the FP32 buffers, which model.zero_grad() keeps
+        opt.step()
+        model.zero_grad()
+        before = [m.detach().clone() for m in amp_patch.master_params(opt)]
+        scale = amp_patch.counters()["loss_scale"][0]
+        x = x.clone()
+        x[0, 0] = float("inf")
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        c = amp_patch.counters()
+        assert c["skipped"] == 1 and c["loss_scale"][0] == scale / 2
+        for m, b in zip(amp_patch.master_params(opt), before):
+            assert torch.equal(m.detach(), b)
+
+
+@needs_kernel
+def test_o2_a_parameter_reached_twice_in_one_backward_sums_both_in_fp32():
+    # reentrant checkpointing runs a backward inside the backward: the shared layer's
+    # gradient arrives twice, and the master holds the sum of both
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+    ref_model = copy.deepcopy(model)
+    x = torch.randn(4, 6)
+
+    def run(m):
+        h = checkpoint(m, x.requires_grad_(), use_reentrant=True)
+        return m(h).square().mean()
+
+    run(ref_model).backward()
+    opt = sgd(model)
+    with amp(model, opt, "O2", half_dtype=f16, loss_scale=1024.0) as (model, opt):
+        run(model).backward()
+        assert all(p.grad is None for p in model.parameters())
+        for m, r in zip(amp_patch.master_params(opt), ref_model.parameters()):
+            assert m.grad.dtype == torch.float32
+            torch.testing.assert_close(m.grad, r.grad, **TOL)
+
+
+@needs_kernel
+def test_o2_a_users_own_post_accumulate_hook_still_sees_the_half_gradient():
+    model = net()
+    opt = sgd(model)
+    with amp(model, opt, "O2", half_dtype=torch.bfloat16) as (model, opt):
+        x, y = data()
+        F.mse_loss(model(x), y).backward()  # amp_patch's hooks are in place first
+        seen = []
+        w = model[0].weight
+        handle = w.register_post_accumulate_grad_hook(lambda p: seen.append(None if p.grad is None else p.grad.dtype))
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        handle.remove()
+        assert seen == [torch.bfloat16]
+        assert w.grad is None
+        assert _master.lookup(session.current(), w).grad.dtype == torch.float32
