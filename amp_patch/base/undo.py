@@ -46,8 +46,7 @@ class UndoStack:
 
     def mark(self) -> int:
         """A point in time: ``pop_to(owner, mark)`` undoes ``owner``'s changes made after it."""
-        with self._lock:
-            return self._entries[-1].seq + 1 if self._entries else next(self._seq)
+        return next(self._seq)  # every entry pushed later has a larger seq
 
     def entries(self, owner: object) -> List[Entry]:
         """``owner``'s entries, oldest first."""

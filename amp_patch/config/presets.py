@@ -40,11 +40,6 @@ class Preset:
     does: str
 
     @property
-    def patches_functions(self) -> bool:
-        """Needs no model: works by patching torch's functions."""
-        return self.patch_torch_functions
-
-    @property
     def casts_model(self) -> bool:
         """Needs the model: works by casting it to the half dtype."""
         return self.cast_model_type == HALF
@@ -61,7 +56,7 @@ PRESETS: Dict[str, Preset] = {p.level: p for p in (
 
 OPT_LEVELS: Tuple[str, ...] = tuple(PRESETS)
 #: levels that patch functions and need no model (the launcher starts them up front)
-FUNCTION_LEVELS: Tuple[str, ...] = tuple(lv for lv, p in PRESETS.items() if p.patches_functions)
+FUNCTION_LEVELS: Tuple[str, ...] = tuple(lv for lv, p in PRESETS.items() if p.patch_torch_functions)
 #: levels that cast the model (the launcher attaches them at the model's optimizer)
 MODEL_LEVELS: Tuple[str, ...] = tuple(lv for lv, p in PRESETS.items() if p.casts_model)
 
@@ -71,7 +66,7 @@ def readme_table() -> str:
     rows = ["| level | model | functions patched | batchnorm | master weights | loss scale |", "|---|---|---|---|---|---|"]
     for p in PRESETS.values():
         model = ("BF16" if p.bf16 else "half") if p.casts_model else "FP32"
-        functions = ("yes, BF16" if p.bf16 else "yes (FP16 on CUDA, BF16 on CPU)") if p.patches_functions else "no"
+        functions = ("yes, BF16" if p.bf16 else "yes (FP16 on CUDA, BF16 on CPU)") if p.patch_torch_functions else "no"
         norm = {None: "\u2014", True: "FP32", False: "half"}[p.keep_batchnorm_fp32]
         masters = "FP32 masters in the optimizer" if p.master_weights else "no"
         scale = ("1.0" if p.bf16 else "dynamic (1.0 for BF16)") if p.loss_scale == "dynamic" else f"{p.loss_scale}"

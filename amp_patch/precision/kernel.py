@@ -163,6 +163,28 @@ def _ptr(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+#: ``absorb``'s modes (``_fusedstep.c``'s ``ABS_*``): the FP32 destination takes the
+#: gradient (``WRITE``), adds it (``ADD``), or adds it to zero as a zeroed buffer
+#: would (``ZERO_ADD``: -0 becomes +0)
+WRITE, ADD, ZERO_ADD = 0, 1, 2
+
+
+def absorbable(g: Tensor) -> bool:
+    """A half gradient ``absorb`` takes: dense, contiguous, on the CPU, out of any graph."""
+    return (g.dtype in KINDS and g.dtype is not f32 and g.layout is torch.strided and not g.requires_grad
+            and g.device.type == "cpu" and g.is_contiguous())
+
+
+def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: float, found: int) -> None:
+    """Move each ``(dst, g, mode)``'s half gradient ``g`` into its FP32 ``dst`` in one
+    pass: check it for inf/NaN (into the FP32 flag at address ``found``; 0: not
+    checked), multiply it by ``inv`` and write or add it (``mode``). Every ``g`` is
+    ``absorbable`` and every ``dst`` a contiguous CPU FP32 tensor of its size."""
+    items = [(dst.data_ptr(), g.data_ptr(), KINDS[g.dtype], 0, 0, 0, 0, 0, dst.numel(), 0, mode)
+             for dst, g, mode in moves]
+    native.absorb(items, torch.get_num_threads(), inv, found)
+
+
 class KernelStep:
     """The one-pass step of one optimizer's FP32 masters (see the module docstring)."""
 

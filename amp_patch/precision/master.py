@@ -185,35 +185,26 @@ class MasterWeights:
 
     def _absorb(self, i: int, half: Tensor) -> None:
         g = half.grad
-        # what the C routine takes: a dense, contiguous CPU gradient of the half's dtype
-        # that no other hook of this parameter still wants to see, out of a graph
-        if (g is None or g.dtype is not half.dtype or g.layout is not torch.strided or g.requires_grad
-                or not g.is_contiguous() or g.device.type != "cpu" or len(half._post_accumulate_grad_hooks) != 1):
+        # what the C routine takes, of the half's dtype, and no other hook of this
+        # parameter still wants to see it
+        if g is None or g.dtype is not half.dtype or not kernel.absorbable(g) or len(half._post_accumulate_grad_hooks) != 1:
             return
         m = self.masters[i]
-        n = m.numel()
         # Only into memory that exists already: a buffer allocated here would be taken
         # while the backward's activations are still alive, raising the peak by more than
         # the half gradient frees. Buffers zero_grad released are made at the backward's end.
         if i in self.absorbed or self.holds_partial_sum:
-            dst = m.grad
+            dst, mode = m.grad, kernel.ADD
             if dst is None:
-                dst, mode = self.grads[i], 2  # as adding into a zeroed buffer
-                if dst is None or not dst.is_contiguous():
-                    return
-            elif (dst.dtype is not f32 or dst.layout is not torch.strided or not dst.is_contiguous()
-                  or dst.device.type != "cpu" or dst.numel() != n):
+                dst, mode = self.grads[i], kernel.ZERO_ADD  # as adding into a zeroed buffer
+            elif dst.dtype is not f32 or dst.layout is not torch.strided or dst.device.type != "cpu":
                 return  # a gradient user code put there: collect_grads adds to it
-            else:
-                mode = 1
         else:
-            dst, mode = self.grads[i], 0
-            if dst is None or not dst.is_contiguous():
-                return
-        inv, found = self.armed  # type: ignore[misc]
-        kernel.native.absorb([(dst.data_ptr(), g.data_ptr(), kernel.KINDS[g.dtype], 0, 0, 0, 0, 0, n, 0, mode)],
-                             torch.get_num_threads(), inv, found)
-        if mode != 1:
+            dst, mode = self.grads[i], kernel.WRITE
+        if dst is None or not dst.is_contiguous() or dst.numel() != m.numel():
+            return
+        kernel.absorb([(dst, g, mode)], *self.armed)  # type: ignore[misc]
+        if mode != kernel.ADD:
             m.grad = dst
         half.grad = None
         self.absorbed.add(i)
@@ -293,14 +284,10 @@ class MasterWeights:
             if cpu_args is None:
                 return False
             inv, found = cpu_args()
-        items = []
-        for i, b in zip(idx, bufs):
-            g = self.halfs[i].grad
-            if (g.dtype not in LOW or g.layout is not torch.strided or g.requires_grad or g.device.type != "cpu"
-                    or not g.is_contiguous() or not b.is_contiguous() or g.numel() != b.numel()):
-                return False
-            items.append((b.data_ptr(), g.data_ptr(), kernel.KINDS[g.dtype], 0, 0, 0, 0, 0, b.numel(), 0, 0))
-        kernel.native.absorb(items, torch.get_num_threads(), inv, found)
+        moves = [(b, self.halfs[i].grad, kernel.WRITE) for i, b in zip(idx, bufs)]
+        if not all(kernel.absorbable(g) and b.is_contiguous() and g.numel() == b.numel() for b, g, _ in moves):
+            return False
+        kernel.absorb(moves, inv, found)
         return True
 
     def absorb_true_grads(self) -> None:

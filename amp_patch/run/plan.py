@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import functools
 import importlib
+import itertools
 import logging
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -106,7 +107,7 @@ def _as_list(obj: object, what: str) -> Tuple[List[object], bool]:
 def device_type(models: Sequence[torch.nn.Module]) -> str:
     """The device type of the first tensor of ``models``; else CUDA when there is one."""
     for m in models:
-        for t in list(m.parameters()) + list(m.buffers()):
+        for t in itertools.chain(m.parameters(), m.buffers()):
             return t.device.type
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -154,6 +155,8 @@ class Plan:
     optimizers: List[torch.optim.Optimizer]
     #: the op table a new session patches, or None
     table: Optional[dict]
+    #: the device type of the call's models (their first tensor's), for the op table and a new session
+    device: str
     apex_rules: bool
     registrations: Sequence[Registration]
     #: the session ``apply`` made or joined
@@ -181,7 +184,7 @@ class Plan:
         joins = None if prov is not None else current
         models = list(given.models)
         opts = given.inner_optimizers
-        plan = cls(config, given, joins, prov, "", models, opts, None, apex_rules, registrations)
+        plan = cls(config, given, joins, prov, "", models, opts, None, device_type(models), apex_rules, registrations)
         if not config.enabled:
             # apex.amp's enabled=False: everything as it was, the models and optimizers handed back
             plan.joins = None
@@ -196,7 +199,7 @@ class Plan:
             )
         if config.patch_torch_functions:
             plan.table = oplists.load(list(config.lists) if config.lists is not None else None).resolve(
-                config.half_dtype, device_type(models))
+                config.half_dtype, plan.device)
         if apex_rules and joins is not None:
             _apex_rule(plan, joins)
         model_side.validate(plan.models, config)
@@ -266,7 +269,7 @@ class Plan:
 
     def _new_session(self) -> Session:
         config = self.config
-        amp = Session(config, self.table, device_type(self.models))
+        amp = Session(config, self.table, self.device)
         if config.collect_stats:
             amp.ledger = Ledger()
         if config.cast_policy == "auto" and config.patch_torch_functions:
