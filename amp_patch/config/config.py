@@ -38,7 +38,8 @@ from .presets import HALF, OPT_LEVELS, PRESETS
 #: the environment variable every entry point takes its half dtype from when none is given
 ENV_HALF_DTYPE = "AMP_PATCH_HALF_DTYPE"
 #: ``cast_policy``: "parity" casts as torch.autocast does; "auto" keeps half-list
-#: matmuls too small for the half kernel to win in FP32 (``patching.costs``)
+#: matmuls too small for the half kernel to win, and attention whose half kernel
+#: is slower here, in FP32 (``patching.costs``, ``patching.attention``)
 CAST_POLICIES = ("parity", "auto")
 #: the default of ``max_consecutive_skips``: that many skipped steps in a row at
 #: the minimum loss scale raise ``OverflowLoopError``
@@ -235,7 +236,8 @@ class AmpConfig:
         if self.cast_policy not in CAST_POLICIES:
             raise ConfigError(
                 f"initialize: cast_policy={self.cast_policy!r} must be 'parity' (cast as torch.autocast does, the "
-                f"default) or 'auto' (keep matmuls too small for the half dtype to win in float32)"
+                f"default at O1/O4) or 'auto' (keep matmuls too small for the half dtype to win, and attention "
+                f"measured faster in float32 here, in float32; the default at O2/O5)"
             )
         if self.master_weights and self.cast_model_type == torch.float32:
             raise ConfigError(
@@ -401,6 +403,7 @@ def parse(
     rest = {k: v for k, v in given.items() if k not in SCALER_FIELDS and k not in OVERRIDES}
     if "lists" in rest:
         rest["lists"] = _lists(rest["lists"])
+    rest.setdefault("cast_policy", preset.cast_policy)
     return AmpConfig(
         opt_level=level, half_dtype=half, cast_model_type=cmt,  # type: ignore[arg-type]
         patch_torch_functions=bool(flags["patch_torch_functions"]), keep_batchnorm_fp32=flags["keep_batchnorm_fp32"],

@@ -38,6 +38,10 @@ class Preset:
     bf16: bool
     #: a few words on what it does, for ``--help``, the banner and the README
     does: str
+    #: the default ``cast_policy``: O2/O5 take the fastest correct choice
+    #: ("auto": attention in FP32 where that is faster here), O1/O4 cast as
+    #: ``torch.autocast`` does
+    cast_policy: str = "parity"
 
     @property
     def casts_model(self) -> bool:
@@ -48,10 +52,10 @@ class Preset:
 PRESETS: Dict[str, Preset] = {p.level: p for p in (
     Preset("O0", "float32", False, None, False, 1.0, False, "FP32, nothing cast"),
     Preset("O1", None, True, None, False, "dynamic", False, "torch functions cast"),
-    Preset("O2", HALF, False, True, True, "dynamic", False, "model cast, FP32 master weights"),
+    Preset("O2", HALF, False, True, True, "dynamic", False, "model cast, FP32 master weights", "auto"),
     Preset("O3", HALF, False, False, False, 1.0, False, "model cast, no master weights"),
     Preset("O4", None, True, None, False, "dynamic", True, "torch functions cast"),
-    Preset("O5", HALF, False, True, True, "dynamic", True, "model cast, FP32 master weights"),
+    Preset("O5", HALF, False, True, True, "dynamic", True, "model cast, FP32 master weights", "auto"),
 )}
 
 OPT_LEVELS: Tuple[str, ...] = tuple(PRESETS)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+import torch
+
 from ..base import running
 from ..base.errors import StateError
+from ..patching import attention
 from .notices import warn_user
 from .overflow import history_entry, last_overflow
 from .stats import dtype_name
@@ -90,10 +93,14 @@ class Report:
             that ran in FP32 on inputs that could have been half.
         loss_scale: one summary per loss scaler, with its history.
         overflow: the last overflow provenance (``find_overflow``), or None.
+        attention: under ``cast_policy="auto"`` (O2/O5's default): one dict per
+            attention shape class measured in this process, with the dtype its
+            calls run in and the two timings (``patching.attention``).
     """
 
     def __init__(self, opt_level: str, half_dtype: str, device: str, collecting: bool,
-                 ledger: Dict[str, Any], loss_scale: List[Dict[str, Any]], overflow: Optional[Provenance]):
+                 ledger: Dict[str, Any], loss_scale: List[Dict[str, Any]], overflow: Optional[Provenance],
+                 attention: Optional[List[Dict[str, Any]]] = None):
         self.opt_level = opt_level
         self.half_dtype = half_dtype
         self.device = device
@@ -102,6 +109,7 @@ class Report:
         self.unlisted: Dict[str, Dict[str, Any]] = ledger.get("unlisted", {})
         self.loss_scale = loss_scale
         self.overflow = overflow
+        self.attention: List[Dict[str, Any]] = attention or []
 
     def to_dict(self) -> Dict[str, Any]:
         """Everything in the report as plain Python values (JSON-ready)."""
@@ -114,11 +122,13 @@ class Report:
             "unlisted": self.unlisted,
             "loss_scale": self.loss_scale,
             "overflow": None if self.overflow is None else self.overflow.to_dict(),
+            "attention": self.attention,
         }
 
     def __str__(self) -> str:
         lines = [f"amp_patch report: {self.opt_level}, half dtype {self.half_dtype}, {self.device}"]
         lines += self._ops_lines()
+        lines += self._attention_lines()
         lines += self._scale_lines()
         if self.overflow is not None:
             lines.append("last overflow:")
@@ -150,7 +160,7 @@ class Report:
         lines += ["  " + r for r in _table(head, body, right=(1, 3, 4))]
         kept = sorted((q, o) for q, o in self.ops.items() if o.get("kept_fp32"))
         if kept:
-            lines.append("kept in float32 by cast_policy='auto' (too small for the half dtype to win):")
+            lines.append("kept in float32 by cast_policy='auto' (the half dtype does not win there):")
             body = [(q, f"{o['kept_fp32']} of {o['calls']}", f"e.g. {o['kept_why']}") for q, o in kept]
             lines += ["  " + r for r in _table(("op", "calls", "why"), body, right=(1,))]
         if self.unlisted:
@@ -163,6 +173,21 @@ class Report:
             lines += ["  " + r for r in _table(("op", "calls", "first call site"), body, right=(1,))]
         else:
             lines.append("unlisted ops seen: none")
+        return lines
+
+    def _attention_lines(self) -> List[str]:
+        if not self.attention:
+            return []
+        lines = ["attention, measured once per shape class (cast_policy='auto'):"]
+        body = []
+        for a in self.attention:
+            shape = f"{a['query_len']} x {a['key_len']}, head {a['head_size']}" + (", causal" if a["causal"] else "") + (
+                ", masked" if a["masked"] else "")
+            if a["runs_in"] is None:
+                body.append((shape, a["dtype"], "float32 kernel refused it", ""))
+            else:
+                body.append((shape, a["runs_in"], f"{a['half_ms']:.2f} ms in {a['dtype']}", f"{a['fp32_ms']:.2f} ms in float32"))
+        lines += ["  " + r for r in _table(("shape class", "runs in", "half (forward+backward)", "float32"), body)]
         return lines
 
     def _scale_lines(self) -> List[str]:
@@ -278,6 +303,8 @@ def report_of(amp: "Session") -> Report:
         ledger=ledger,
         loss_scale=[_scale_summary(*s) for s in _scalers(amp)],
         overflow=last_overflow(amp),
+        attention=[{k: dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in row.items()}
+                   for row in attention.decisions()] if amp.config.cast_policy == "auto" else [],
     )
 
 

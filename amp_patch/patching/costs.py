@@ -32,6 +32,7 @@ log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
 f32 = torch.float32
 
+from . import attention
 from .cast import LOW
 
 
@@ -116,6 +117,31 @@ class Auto:
         if n is None or self.plan(args, kwargs) is None:
             return ""
         return f"{_flops_text(n)} < {_flops_text(self.min_flops)} (cast_policy='auto' threshold)"
+
+
+class AutoAttention:
+    """The planner of ``F.scaled_dot_product_attention`` under ``cast_policy="auto"``:
+    the half planner's answer, except that a call whose shape class runs faster
+    in FP32 here (``attention.keeps_fp32``, measured once per class) runs in FP32."""
+
+    __slots__ = ("plan", "original", "half")
+
+    def __init__(self, plan: Callable, original: Callable, half: torch.dtype):
+        self.plan, self.original, self.half = plan, original, half
+
+    def __call__(self, args: tuple, kwargs: Optional[dict]) -> Optional[torch.dtype]:
+        # None from the half planner: the inputs are half already (another half op's outputs)
+        to = self.plan(args, kwargs)
+        if (kwargs and "out" in kwargs) or not attention.keeps_fp32(self.original, args, kwargs, self.half):
+            return to
+        # FP32: half inputs are cast up, FP32 ones stay as they are
+        return f32 if any(isinstance(a, Tensor) and a.dtype in LOW for a in args[:4]) else None
+
+    def why(self, args: tuple, kwargs: Optional[dict]) -> str:
+        """The ledger's reason for a call kept in FP32 ("" for one that was not)."""
+        if (kwargs and "out" in kwargs) or not attention.keeps_fp32(self.original, args, kwargs, self.half):
+            return ""
+        return "attention measured faster in float32 here (cast_policy='auto')"
 
 
 def _flops_text(n: float) -> str:

@@ -50,7 +50,7 @@ import wrapt
 
 from ..base import frames
 from ..oplists.schema import is_inplace
-from . import costs
+from . import attention, costs
 from .cast import CASTABLE, CONVERT, LOW, CastCache, cast, cast_args, needs_cast
 from ..base.errors import BannedOpError, CastError
 
@@ -358,6 +358,10 @@ def make_wrapper(
     sized = bool(min_flops) and policy == "half" and qualname in costs.FLOPS
     if sized:
         plan = costs.Auto(plan, qualname, min_flops)
+    # cast_policy="auto": attention stays FP32 where its half kernel is slower here
+    attends = bool(min_flops) and policy == "half" and qualname == attention.QUALNAME
+    if attends:
+        plan = costs.AutoAttention(plan, original, half)
     if is_inplace(name):
         # ``x.exp_()`` and ``torch.exp_(x)`` alike: the receiver is args[0]
         fn = _inplace(policy, qualname, live, ledger)
@@ -378,6 +382,8 @@ def make_wrapper(
             fn = _call_through
         elif sized:  # cast_policy="auto": the planner decides on every call the C path hands it
             fn = general
+        elif attends:  # one call is milliseconds of work: no C path needed
+            return kind(original, general)
         elif promote:
             fn = _promote(original, general, cache, live)
         else:
@@ -518,6 +524,23 @@ def _general(plan, cache, live):
         return wrapped(*cast_args(args, to, cache), **kwargs)
 
     return wrapper
+
+
+def attention_wrapper(original: Callable[..., Any], live: Live = ALWAYS) -> wrapt.FunctionWrapper:
+    """``F.scaled_dot_product_attention`` at O2/O5 under ``cast_policy="auto"``.
+
+    These levels patch no function; this is the one exception, and it casts
+    nothing the caller sees: a half call that the FP32 kernel runs faster here
+    (``attention``) returns the same dtype, every other call goes straight through.
+    """
+    def wrapper(wrapped, instance, args, kwargs):
+        if not (disabled and get_ident() in disabled) and live.on:
+            out = attention.attend(wrapped, args, kwargs)
+            if out is not None:
+                return out
+        return wrapped(*args, **kwargs)
+
+    return OpWrapper(original, wrapper)
 
 
 def _inplace(policy, qualname, live, ledger=None):

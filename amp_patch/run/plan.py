@@ -34,7 +34,8 @@ from ..diagnostics.stats import Ledger
 from ..oplists import NAMESPACES
 from ..patching import costs
 from ..patching.registry import PatchItem
-from ..patching.wrappers import make_wrapper, pop_disabled, push_disabled
+from ..patching.cast import LOW
+from ..patching.wrappers import attention_wrapper, make_wrapper, pop_disabled, push_disabled
 from ..precision import model as model_side
 from ..precision import optimizers as optimizers_side
 from ..scaling import optimizer as optimizer_scaling
@@ -246,6 +247,8 @@ class Plan:
                     amp.patch(patch_items(amp, self.registrations) + dataloader_items())
                     if amp.ledger is not None:
                         amp.ledger.start(amp)
+                elif amp.config.cast_policy == "auto" and amp.config.cast_model_type in LOW and amp.device_type == "cpu":
+                    amp.patch([attention_item(amp)])
                 if amp.config.find_overflow:
                     diagnostics.arm_find_overflow(amp)
         except BaseException:
@@ -394,6 +397,12 @@ def maker(amp: Session, policy: str, qualname: str, method: bool, fix: str) -> C
         )
 
     return make
+
+
+def attention_item(amp: Session) -> PatchItem:
+    """O2/O5 under ``cast_policy="auto"``: attention in FP32 where that is faster
+    here (``patching.attention``); the one function these levels patch."""
+    return (torch.nn.functional, "scaled_dot_product_attention", lambda original: attention_wrapper(original, amp.live))
 
 
 def dataloader_items() -> List[PatchItem]:

@@ -1,0 +1,238 @@
+"""Attention in FP32 where this machine's half attention is slower.
+
+On a CPU without AMX, torch's half flash-attention backward is the slow part
+of a small transformer's step: on an AVX512-BF16 EPYC the BF16 forward and
+backward of a ``[8, 8, 128, 64]`` attention take 31 ms, the FP32 kernel on
+the same inputs cast up 19 ms. Longer sequences turn it round (BF16 wins from
+about 256 tokens with a causal mask there). So under ``cast_policy="auto"``
+(the default at O2/O5) a call of ``F.scaled_dot_product_attention`` on half
+inputs runs torch's FP32 CPU flash kernel where that is measured faster:
+
+* The decision is per shape class (query and key lengths rounded up to a
+  power of two, head size, causal, masked, dtype, thread count), timed once
+  per process on a one-sample, eight-head attention of the class's size, its
+  forward and backward, with a private generator (the user's random stream
+  is untouched). FP32 is taken only when it wins by ``MARGIN``, so a
+  near-tie, which could flip between runs, stays half.
+* ``Fp32Attention`` casts the half inputs up, runs the FP32 kernel and
+  returns its output in the inputs' dtype, so the model downstream sees what
+  it saw. It saves the half inputs and output (and the kernel's FP32
+  log-sum-exp), what the half kernel saves, so activation memory does not
+  grow; its backward casts them up again. The result is at least as accurate
+  as the half kernel's (tested).
+* Anything else runs the original: CUDA, FP32 inputs, no gradient wanted
+  (the forward alone is a tie), dropout, a boolean or differentiable mask,
+  grouped-query attention, nested tensors, ``torch.compile`` tracing,
+  unequal head sizes, lengths past ``LONGEST``.
+
+``decisions()`` lists what was measured and chosen; ``amp_patch.report()``
+prints it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .cast import LOW
+
+log = logging.getLogger("amp_patch")
+Tensor = torch.Tensor
+f32 = torch.float32
+
+#: the op this is about, by its public name (the op lists' key)
+QUALNAME = "torch.nn.functional.scaled_dot_product_attention"
+#: FP32 must take at most this share of the half kernel's time to be chosen
+MARGIN = 0.85
+#: query length x key length past which the half kernel is kept unmeasured:
+#: long sequences are where half wins, and timing them would take seconds
+LONGEST = 1024 * 1024
+_HEADS = 8
+_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+Key = Tuple[int, int, int, bool, bool, torch.dtype, int]
+#: shape class -> (FP32 chosen, half ms, FP32 ms); None where the FP32 kernel refused the class
+_chosen: Dict[Key, Optional[Tuple[bool, float, float]]] = {}
+_lock = threading.Lock()
+
+
+#: FP32 elements of one tensor in one kernel call: the batch is taken in slices
+#: this size, so the FP32 copies live one slice at a time and the step's peak
+#: memory stays that of the half kernel
+SLICE = 1 << 16
+
+
+def _slices(q: Tensor, mask: Optional[Tensor]) -> List[Tuple[slice, Optional[Tensor]]]:
+    """Batch slices of about ``SLICE`` elements, each with its part of the mask.
+    Attention is independent across the batch, so the slices' results are the
+    whole call's, bit for bit."""
+    b = q.shape[0]
+    per = max(1, SLICE // max(1, q[0].numel()))
+    if per >= b:
+        return [(slice(0, b), mask)]
+    split = mask is not None and mask.dim() == 4 and mask.shape[0] == b
+    return [(slice(i, i + per), mask[i:i + per] if split else mask) for i in range(0, b, per)]
+
+
+class Fp32Attention(torch.autograd.Function):
+    """Scaled dot-product attention on half inputs, computed by the FP32 CPU
+    flash kernel; output in the inputs' dtype, the half tensors saved."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
+                scale: Optional[float]) -> Tensor:
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:3], dtype=f32)
+        for s, m in _slices(q, mask):
+            o, lse[s] = _flash(q[s].float(), k[s].float(), v[s].float(), 0.0, causal, attn_mask=m, scale=scale)
+            out[s] = o
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for s, m in _slices(q, mask):
+            gq[s], gk[s], gv[s] = _flash_backward(grad[s].float(), q[s].float(), k[s].float(), v[s].float(),
+                                                  out[s].float(), lse[s], 0.0, ctx.causal, attn_mask=m, scale=ctx.scale)
+        return gq, gk, gv, None, None, None
+
+
+def _bucket(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+Call = Tuple[Tensor, Tensor, Tensor, Optional[Tensor], bool, Optional[float]]
+
+
+def _parse(args: tuple, kwargs: Optional[dict]) -> Optional[Call]:
+    """(q, k, v, mask, causal, scale) when the FP32 kernel can take this call
+    (whatever the inputs' dtype) and gradients are wanted, else None."""
+    if _flash is None or len(args) < 3 or len(args) > 8 or not torch.is_grad_enabled():
+        return None
+    q, k, v = args[0], args[1], args[2]
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return None
+    if not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    if q.device.type != "cpu" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.is_nested or q.layout != torch.strided:
+        return None
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        return None
+    opts = dict(zip(_ARGS, args[3:]))
+    if kwargs:
+        if any(name not in _ARGS or name in opts for name in kwargs):
+            return None
+        opts.update(kwargs)
+    mask, causal, scale = opts.get("attn_mask"), opts.get("is_causal", False), opts.get("scale")
+    if opts.get("dropout_p", 0.0) != 0.0 or opts.get("enable_gqa", False) or not isinstance(causal, bool):
+        return None
+    if scale is not None and not isinstance(scale, float):
+        return None
+    if mask is not None:
+        if causal or not isinstance(mask, Tensor) or not mask.is_floating_point() or mask.requires_grad:
+            return None
+        if mask.device.type != "cpu" or mask.dim() > 4:
+            return None
+    if torch.compiler.is_compiling():
+        return None
+    return q, k, v, mask, causal, scale
+
+
+def _measure(key: Key, original: Callable) -> Optional[Tuple[bool, float, float]]:
+    """Time the half kernel and ``Fp32Attention``, forward and backward, on one
+    sample of the class; None when the FP32 kernel refuses it."""
+    lq, lk, e, causal, masked, dt, _ = key
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, _HEADS, n, e, generator=g).to(dt).requires_grad_() for n in (lq, lk, lk))
+    dout = torch.randn(1, _HEADS, lq, e, generator=g).to(dt)
+    mask = torch.zeros(1, 1, lq, lk) if masked else None
+    half_mask = mask.to(dt) if mask is not None else None
+
+    def half() -> None:
+        torch.autograd.grad(original(q, k, v, attn_mask=half_mask, is_causal=causal), (q, k, v), dout)
+
+    def fp32() -> None:
+        torch.autograd.grad(Fp32Attention.apply(q, k, v, mask, causal, None), (q, k, v), dout)
+
+    with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        try:
+            fp32()
+        except RuntimeError:
+            return None
+        half()
+        # alternated, best of each: a slow moment of a shared machine hits both
+        t_half = t_fp32 = float("inf")
+        for _ in range(5 if lq * lk <= 512 * 512 else 2):
+            t = time.perf_counter()
+            half()
+            t_half = min(t_half, time.perf_counter() - t)
+            t = time.perf_counter()
+            fp32()
+            t_fp32 = min(t_fp32, time.perf_counter() - t)
+    return t_fp32 <= MARGIN * t_half, t_half * 1e3, t_fp32 * 1e3
+
+
+def fp32_wins(lq: int, lk: int, head: int, causal: bool, masked: bool, dt: torch.dtype, original: Callable) -> bool:
+    """Whether attention of this shape class runs faster in FP32 than in ``dt``
+    here (measured on first sight, then remembered for the process)."""
+    if lq * lk > LONGEST:
+        return False
+    key = (_bucket(lq), _bucket(lk), head, causal, masked, dt, torch.get_num_threads())
+    if key not in _chosen:
+        with _lock:
+            if key not in _chosen:
+                found = _chosen[key] = _measure(key, original)
+                if found is not None:
+                    name = str(dt).replace("torch.", "")
+                    log.info("amp_patch: attention of %d x %d tokens, head size %d%s runs in %s here "
+                             "(forward and backward: %.2f ms in %s, %.2f ms in float32)",
+                             key[0], key[1], head, ", causal" if causal else "",
+                             "float32" if found[0] else name, found[1], name, found[2])
+    found = _chosen[key]
+    return found is not None and found[0]
+
+
+def attend(original: Callable, args: tuple, kwargs: Optional[dict]) -> Optional[Tensor]:
+    """At O2/O5: the FP32 kernel's result for a half call it can take and runs
+    faster here, in the call's dtype; None otherwise (the caller runs ``original``)."""
+    call = _parse(args, kwargs)
+    if call is None:
+        return None
+    q, k, v, mask, causal, scale = call
+    dt = q.dtype
+    if dt not in LOW or k.dtype is not dt or v.dtype is not dt:
+        return None
+    if not fp32_wins(q.shape[2], k.shape[2], q.shape[3], causal, mask is not None, dt, original):
+        return None
+    return Fp32Attention.apply(q, k, v, None if mask is None else mask.float(), causal, scale)
+
+
+def keeps_fp32(original: Callable, args: tuple, kwargs: Optional[dict], half: torch.dtype) -> bool:
+    """At O1/O4 under ``cast_policy="auto"``: whether this call, which the half
+    list would run in ``half``, runs faster in FP32 here."""
+    call = _parse(args, kwargs)
+    if call is None:
+        return False
+    q, k, _, mask, causal, _ = call
+    return fp32_wins(q.shape[2], k.shape[2], q.shape[3], causal, mask is not None, half, original)
+
+
+def decisions() -> List[Dict[str, Any]]:
+    """What was measured this process: one dict per shape class."""
+    rows = []
+    for (lq, lk, e, causal, masked, dt, threads), found in sorted(_chosen.items(), key=str):
+        rows.append({"query_len": lq, "key_len": lk, "head_size": e, "causal": causal, "masked": masked,
+                     "dtype": dt, "threads": threads, "runs_in": None if found is None else (f32 if found[0] else dt),
+                     "half_ms": None if found is None else found[1], "fp32_ms": None if found is None else found[2]})
+    return rows
