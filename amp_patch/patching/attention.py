@@ -21,9 +21,11 @@ inputs runs torch's FP32 CPU flash kernel where that is measured faster:
   grow; its backward casts them up again. The result is at least as accurate
   as the half kernel's (tested).
 * Anything else runs the original: CUDA, FP32 inputs, no gradient wanted
-  (the forward alone is a tie), dropout, a boolean or differentiable mask,
-  grouped-query attention, nested tensors, ``torch.compile`` tracing,
-  unequal head sizes, lengths past ``LONGEST``.
+  (the forward alone is a tie), dropout, a differentiable mask, a causal
+  flag with a mask, nested tensors, ``torch.compile`` tracing, unequal head
+  sizes, lengths past ``LONGEST``. A boolean mask becomes 0/-inf and
+  grouped-query attention repeats the key and value heads, one slice at a
+  time, as torch's own call does.
 
 ``decisions()`` lists what was measured and chosen; ``amp_patch.report()``
 prints it.
@@ -33,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -52,6 +54,7 @@ MARGIN = 0.85
 #: long sequences are where half wins, and timing them would take seconds
 LONGEST = 1024 * 1024
 _HEADS = 8
+#: the options after query, key and value, in torch's order
 _ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 _flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -69,43 +72,68 @@ _lock = threading.Lock()
 SLICE = 1 << 16
 
 
-def _slices(q: Tensor, mask: Optional[Tensor]) -> List[Tuple[slice, Optional[Tensor]]]:
-    """Batch slices of about ``SLICE`` elements, each with its part of the mask.
-    Attention is independent across the batch, so the slices' results are the
-    whole call's, bit for bit."""
+def _slices(q: Tensor, mask: Optional[Tensor]) -> Iterator[Tuple[slice, Optional[Tensor]]]:
+    """Batch slices of about ``SLICE`` elements, each with its part of the mask
+    in FP32. Attention is independent across the batch, so the slices' results
+    are the whole call's, bit for bit."""
     b = q.shape[0]
     per = max(1, SLICE // max(1, q[0].numel()))
-    if per >= b:
-        return [(slice(0, b), mask)]
     split = mask is not None and mask.dim() == 4 and mask.shape[0] == b
-    return [(slice(i, i + per), mask[i:i + per] if split else mask) for i in range(0, b, per)]
+    for i in range(0, b, per):  # one slice's FP32 copies at a time
+        yield slice(i, i + per), _fp32_mask(mask[i:i + per] if split else mask)
+
+
+def _fp32_mask(mask: Optional[Tensor]) -> Optional[Tensor]:
+    """The mask as the FP32 kernel takes it: a boolean one (True: attend) becomes
+    0 and -inf, as torch's own attention converts it."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.float()
+    return torch.zeros(mask.shape, dtype=f32, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
 
 
 class Fp32Attention(torch.autograd.Function):
     """Scaled dot-product attention on half inputs, computed by the FP32 CPU
-    flash kernel; output in the inputs' dtype, the half tensors saved."""
+    flash kernel; output in the inputs' dtype. It saves the half tensors and
+    the mask as given (boolean or any float dtype), each cast one slice at a time."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-                scale: Optional[float]) -> Tensor:
+                scale: Optional[float], groups: int = 1) -> Tensor:
         out = torch.empty_like(q)
         lse = q.new_empty(q.shape[:3], dtype=f32)
         for s, m in _slices(q, mask):
-            o, lse[s] = _flash(q[s].float(), k[s].float(), v[s].float(), 0.0, causal, attn_mask=m, scale=scale)
+            o, lse[s] = _flash(q[s].float(), _up(k[s], groups), _up(v[s], groups), 0.0, causal, attn_mask=m, scale=scale)
             out[s] = o
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.groups = causal, scale, groups
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
         q, k, v, out, lse, mask = ctx.saved_tensors
+        groups = ctx.groups
         gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for s, m in _slices(q, mask):
-            gq[s], gk[s], gv[s] = _flash_backward(grad[s].float(), q[s].float(), k[s].float(), v[s].float(),
-                                                  out[s].float(), lse[s], 0.0, ctx.causal, attn_mask=m, scale=ctx.scale)
-        return gq, gk, gv, None, None, None
+            gq[s], gks, gvs = _flash_backward(grad[s].float(), q[s].float(), _up(k[s], groups), _up(v[s], groups),
+                                              out[s].float(), lse[s], 0.0, ctx.causal, attn_mask=m, scale=ctx.scale)
+            gk[s], gv[s] = _down(gks, groups), _down(gvs, groups)
+        return gq, gk, gv, None, None, None, None
+
+
+def _up(t: Tensor, groups: int) -> Tensor:
+    """A key or value slice in FP32, each head repeated for its query group
+    (grouped-query attention, as torch's ``enable_gqa=True`` repeats it)."""
+    t = t.float()
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _down(g: Tensor, groups: int) -> Tensor:
+    """The gradient of ``_up``: each group's heads summed back into their key/value head."""
+    if groups == 1:
+        return g
+    b, h, n, e = g.shape
+    return g.view(b, h // groups, groups, n, e).sum(2)
 
 
 def _bucket(n: int) -> int:
@@ -127,7 +155,7 @@ def _parse(args: tuple, kwargs: Optional[dict]) -> Optional[Call]:
         return None
     if q.device.type != "cpu" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.is_nested or q.layout != torch.strided:
         return None
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or k.shape[1] == 0:
         return None
     opts = dict(zip(_ARGS, args[3:]))
     if kwargs:
@@ -135,12 +163,17 @@ def _parse(args: tuple, kwargs: Optional[dict]) -> Optional[Call]:
             return None
         opts.update(kwargs)
     mask, causal, scale = opts.get("attn_mask"), opts.get("is_causal", False), opts.get("scale")
-    if opts.get("dropout_p", 0.0) != 0.0 or opts.get("enable_gqa", False) or not isinstance(causal, bool):
+    if opts.get("dropout_p", 0.0) != 0.0 or not isinstance(causal, bool):
+        return None
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads and not (opts.get("enable_gqa", False) is True and heads % kv_heads == 0):
         return None
     if scale is not None and not isinstance(scale, float):
         return None
     if mask is not None:
-        if causal or not isinstance(mask, Tensor) or not mask.is_floating_point() or mask.requires_grad:
+        if causal or not isinstance(mask, Tensor) or mask.requires_grad:
+            return None
+        if not (mask.is_floating_point() or mask.dtype == torch.bool):
             return None
         if mask.device.type != "cpu" or mask.dim() > 4:
             return None
@@ -215,7 +248,7 @@ def attend(original: Callable, args: tuple, kwargs: Optional[dict]) -> Optional[
         return None
     if not fp32_wins(q.shape[2], k.shape[2], q.shape[3], causal, mask is not None, dt, original):
         return None
-    return Fp32Attention.apply(q, k, v, None if mask is None else mask.float(), causal, scale)
+    return Fp32Attention.apply(q, k, v, mask, causal, scale, q.shape[1] // k.shape[1])
 
 
 def keeps_fp32(original: Callable, args: tuple, kwargs: Optional[dict], half: torch.dtype) -> bool:

@@ -53,21 +53,32 @@ def _grads(out, inputs, dout):
 
 
 @pytest.mark.parametrize("dtype", [bf16, f16])
-@pytest.mark.parametrize("form", ["plain", "causal", "mask", "scale"])
-def test_the_fp32_kernel_on_half_inputs_equals_torchs_fp32_attention_cast_back(dtype, form):
+@pytest.mark.parametrize("form", ["plain", "causal", "mask", "bool mask", "scale", "gqa"])
+def test_the_fp32_kernel_on_half_inputs_equals_torchs_fp32_attention_cast_back(dtype, form, decided):
+    decided(True)
     q, k, v, dout = _qkv(dtype=dtype)
-    mask = torch.randn(3, 1, 32, 32) if form == "mask" else None
-    kw = {"is_causal": form == "causal", "scale": 0.3 if form == "scale" else None}
-    out = attention.Fp32Attention.apply(q, k, v, mask, kw["is_causal"], kw["scale"])
+    if form == "gqa":  # 4 query heads share 2 key/value heads
+        k, v = (t.detach()[:, :2].clone().requires_grad_() for t in (k, v))
+    g = torch.Generator().manual_seed(3)
+    mask = {"mask": torch.randn(3, 1, 32, 32, generator=g), "bool mask": torch.rand(3, 1, 32, 32, generator=g) > 0.3}.get(form)
+    kw = {"is_causal": form == "causal", "scale": 0.3 if form == "scale" else None, "attn_mask": mask}
+    if form == "gqa":
+        kw["enable_gqa"] = True
+    model = nn.Linear(4, 4)
+    with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", half_dtype=dtype):
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert type(out.grad_fn).__name__ == "Fp32AttentionBackward"
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = TORCH.sdpa(q32, k32, v32, attn_mask=mask, **kw)
+    ref_kw = dict(kw, enable_gqa=False)
+    k_ref, v_ref = (t.repeat_interleave(2, dim=1) for t in (k32, v32)) if form == "gqa" else (k32, v32)
+    ref = TORCH.sdpa(q32, k_ref, v_ref, **ref_kw)  # torch's FP32 kernel on the inputs cast up
     assert out.dtype == dtype
     assert torch.equal(out, ref.to(dtype))
     # gradients: closer to FP32's than the half kernel's, in the half dtype
     got = _grads(out, (q, k, v), dout)
     want = _grads(ref, (q32, k32, v32), dout.float())
-    half_mask = mask.to(dtype) if mask is not None else None
-    half = _grads(TORCH.sdpa(q, k, v, attn_mask=half_mask, **kw), (q, k, v), dout)
+    half_kw = dict(kw, attn_mask=mask.to(dtype) if form == "mask" else mask)
+    half = _grads(TORCH.sdpa(q, k, v, **half_kw), (q, k, v), dout)
     for a, w, h in zip(got, want, half):
         assert a.dtype == dtype
         assert (a.float() - w).norm() <= (h.float() - w).norm() * 1.05 + 1e-6
@@ -82,7 +93,7 @@ def test_slicing_the_batch_changes_no_bit(monkeypatch):
         for m in (None, mask):
             out = attention.Fp32Attention.apply(q, k, v, m, False, None)
             results.append((out, *_grads(out, (q, k, v), dout)))
-    assert len(attention._slices(q, mask)) == 3
+    assert len(list(attention._slices(q, mask))) == 3
     for whole, sliced in zip(results[:2], results[2:]):
         assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
 
@@ -149,18 +160,20 @@ def test_the_levels_default_cast_policies():
     assert parse("O1", "cpu", cast_policy="auto").cast_policy == "auto"
 
 
-@pytest.mark.parametrize("call", ["dropout", "bool mask", "gqa", "no grad", "fp32", "three dims", "mixed", "mask grad",
-                                  "causal and mask"])
+@pytest.mark.parametrize("call", ["dropout", "gqa off", "uneven gqa", "no grad", "fp32", "three dims", "mixed", "mask grad",
+                                  "causal and mask", "int mask"])
 def test_calls_it_cannot_take_run_the_original(decided, call):
     decided(True)
     q, k, v, _ = _qkv()
     args, kw = (q, k, v), {}
     if call == "dropout":
         kw = {"dropout_p": 0.5}
-    elif call == "bool mask":
-        kw = {"attn_mask": torch.rand(32, 32) > 0.5}
-    elif call == "gqa":
-        args, kw = (q, k[:, :2].detach(), v[:, :2].detach()), {"enable_gqa": True}
+    elif call == "gqa off":
+        args = (q, k[:, :2].detach(), v[:, :2].detach())
+    elif call == "uneven gqa":
+        args, kw = (q, k[:, :3].detach(), v[:, :3].detach()), {"enable_gqa": True}
+    elif call == "int mask":
+        kw = {"attn_mask": torch.ones(32, 32, dtype=torch.int32)}
     elif call == "fp32":
         args = tuple(t.detach().float().requires_grad_() for t in args)
     elif call == "three dims":
@@ -173,7 +186,7 @@ def test_calls_it_cannot_take_run_the_original(decided, call):
         kw = {"attn_mask": torch.zeros(32, 32), "is_causal": True}
     model = nn.Linear(4, 4)
     with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2"):
-        if call in ("mixed", "causal and mask"):  # whatever the original does, error or not
+        if call in ("mixed", "causal and mask", "gqa off", "uneven gqa", "int mask"):  # whatever the original does
             try:
                 want = TORCH.sdpa(*args, **kw)
             except RuntimeError as e:
