@@ -9,7 +9,7 @@ about 256 tokens with a causal mask there). So under ``cast_policy="auto"``
 inputs runs torch's FP32 CPU flash kernel where that is measured faster:
 
 * The decision is per shape class (query and key lengths rounded up to a
-  power of two, head size, causal, masked, dtype, thread count), timed once
+  power of two, at most ``LONGEST``, head size, causal, masked, dtype, thread count), timed once
   per process on a one-sample, eight-head attention of the class's size, its
   forward and backward, with a private generator (the user's random stream
   is untouched). FP32 is taken only when it wins by ``MARGIN``, so a
@@ -23,7 +23,7 @@ inputs runs torch's FP32 CPU flash kernel where that is measured faster:
 * Anything else runs the original: CUDA, FP32 inputs, no gradient wanted
   (the forward alone is a tie), dropout, a differentiable mask, a causal
   flag with a mask, nested tensors, ``torch.compile`` tracing, unequal head
-  sizes, lengths past ``LONGEST``. A boolean mask becomes 0/-inf and
+  sizes. A boolean mask becomes 0/-inf and
   grouped-query attention repeats the key and value heads, one slice at a
   time, as torch's own call does.
 
@@ -50,9 +50,11 @@ f32 = torch.float32
 QUALNAME = "torch.nn.functional.scaled_dot_product_attention"
 #: FP32 must take at most this share of the half kernel's time to be chosen
 MARGIN = 0.85
-#: query length x key length past which the half kernel is kept unmeasured:
-#: long sequences are where half wins, and timing them would take seconds
-LONGEST = 1024 * 1024
+#: a longer query or key takes the decision measured at this length (timing
+#: the class itself would take seconds; the half kernel's standing only
+#: improves with length: BF16 wins from a few hundred tokens, FP16 on a CPU
+#: loses at every length)
+LONGEST = 1024
 _HEADS = 8
 #: the options after query, key and value, in torch's order
 _ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -146,6 +148,8 @@ Call = Tuple[Tensor, Tensor, Tensor, Optional[Tensor], bool, Optional[float]]
 def _parse(args: tuple, kwargs: Optional[dict]) -> Optional[Call]:
     """(q, k, v, mask, causal, scale) when the FP32 kernel can take this call
     (whatever the inputs' dtype) and gradients are wanted, else None."""
+    if torch.compiler.is_compiling():
+        return None  # traced: the half kernel goes into the graph, which stays whole
     if _flash is None or len(args) < 3 or len(args) > 8 or not torch.is_grad_enabled():
         return None
     q, k, v = args[0], args[1], args[2]
@@ -177,8 +181,6 @@ def _parse(args: tuple, kwargs: Optional[dict]) -> Optional[Call]:
             return None
         if mask.device.type != "cpu" or mask.dim() > 4:
             return None
-    if torch.compiler.is_compiling():
-        return None
     return q, k, v, mask, causal, scale
 
 
@@ -219,9 +221,7 @@ def _measure(key: Key, original: Callable) -> Optional[Tuple[bool, float, float]
 def fp32_wins(lq: int, lk: int, head: int, causal: bool, masked: bool, dt: torch.dtype, original: Callable) -> bool:
     """Whether attention of this shape class runs faster in FP32 than in ``dt``
     here (measured on first sight, then remembered for the process)."""
-    if lq * lk > LONGEST:
-        return False
-    key = (_bucket(lq), _bucket(lk), head, causal, masked, dt, torch.get_num_threads())
+    key = (_bucket(min(lq, LONGEST)), _bucket(min(lk, LONGEST)), head, causal, masked, dt, torch.get_num_threads())
     if key not in _chosen:
         with _lock:
             if key not in _chosen:

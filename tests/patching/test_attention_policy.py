@@ -241,8 +241,10 @@ def test_measuring_leaves_the_random_stream_and_records_the_decision(monkeypatch
     assert attention.fp32_wins(30, 17, 8, False, False, bf16, TORCH.sdpa)
     assert attention.fp32_wins(16, 16, 8, False, False, bf16, TORCH.sdpa) == chosen
     assert [k[:2] for k in keys] == [(32, 32)] and len(attention.decisions()) == 2
-    # long sequences stay half without a measurement
-    assert attention.fp32_wins(4096, 4096, 8, False, False, bf16, TORCH.sdpa) is False
+    # a longer sequence takes the decision measured at LONGEST tokens
+    assert attention.fp32_wins(4096, 3000, 8, False, False, bf16, TORCH.sdpa)
+    assert [k[:2] for k in keys] == [(32, 32), (1024, 1024)]
+    assert attention.fp32_wins(1000, 700, 8, False, False, bf16, TORCH.sdpa) and len(keys) == 2
 
 
 def test_a_class_the_fp32_kernel_refuses_stays_half(monkeypatch):
@@ -255,3 +257,27 @@ def test_a_class_the_fp32_kernel_refuses_stays_half(monkeypatch):
     assert attention.fp32_wins(16, 16, 8, False, False, bf16, TORCH.sdpa) is False
     [row] = attention.decisions()
     assert row["runs_in"] is None
+
+
+def test_a_compiled_o2_model_traces_the_half_kernel_whole(decided):
+    """Under ``torch.compile`` the wrapper steps aside: no graph break, the half kernel in the graph."""
+    from torch._dynamo.utils import counters
+
+    decided(True)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Attn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 16, 32)
+    try:
+        with amp(model, opt, "O2") as (model, opt):
+            eager = model(x)
+            compiled = torch.compile(model, backend="aot_eager")(x)
+            compiled.float().sum().backward()
+            opt.step()
+        assert dict(counters["graph_break"]) == {}
+        assert compiled.dtype == eager.dtype
+        torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+    finally:
+        torch._dynamo.reset()
