@@ -185,6 +185,8 @@ class Report:
                 ", masked" if a["masked"] else "")
             if a["runs_in"] is None:
                 body.append((shape, a["dtype"], "float32 kernel refused it", ""))
+            elif a["half_ms"] is None:
+                body.append((shape, a["runs_in"], "from the checkpoint", ""))
             else:
                 body.append((shape, a["runs_in"], f"{a['half_ms']:.2f} ms in {a['dtype']}", f"{a['fp32_ms']:.2f} ms in float32"))
         lines += ["  " + r for r in _table(("shape class", "runs in", "half (forward+backward)", "float32"), body)]

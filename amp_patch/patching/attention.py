@@ -63,8 +63,9 @@ _flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 _flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 Key = Tuple[int, int, int, bool, bool, torch.dtype, int]
-#: shape class -> (FP32 chosen, half ms, FP32 ms); None where the FP32 kernel refused the class
-_chosen: Dict[Key, Optional[Tuple[bool, float, float]]] = {}
+#: shape class -> (FP32 chosen, half ms, FP32 ms; the times None when taken from a
+#: checkpoint); None where the FP32 kernel refused the class
+_chosen: Dict[Key, Optional[Tuple[bool, Optional[float], Optional[float]]]] = {}
 _lock = threading.Lock()
 
 
@@ -259,6 +260,33 @@ def keeps_fp32(original: Callable, args: tuple, kwargs: Optional[dict], half: to
         return False
     q, k, _, mask, causal, _ = call
     return fp32_wins(q.shape[2], k.shape[2], q.shape[3], causal, mask is not None, half, original)
+
+
+def saved() -> List[list]:
+    """The choices made so far, as plain values for ``amp_patch.state_dict()``:
+    a run resumed from the checkpoint takes them instead of measuring again,
+    so it computes what the first run computed."""
+    return [[lq, lk, e, causal, masked, str(dt).replace("torch.", ""), threads, found[0]]
+            for (lq, lk, e, causal, masked, dt, threads), found in _chosen.items() if found is not None]
+
+
+def restore(rows: object) -> None:
+    """Take the choices ``saved()`` returned (all or nothing: ValueError names a bad row)."""
+    if not isinstance(rows, (list, tuple)):
+        raise ValueError(f"attention choices must be a list, got {type(rows).__name__}")
+    chosen = {}
+    for i, row in enumerate(rows):
+        ok = isinstance(row, (list, tuple)) and len(row) == 8
+        if ok:
+            lq, lk, e, causal, masked, dt, threads, fp32 = row
+            ok = (all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (lq, lk, e, threads))
+                  and all(isinstance(b, bool) for b in (causal, masked, fp32)) and dt in ("bfloat16", "float16"))
+        if not ok:
+            raise ValueError(f"attention choice {i} is {row!r}; expected [query_len, key_len, head_size, causal, "
+                             f"masked, 'bfloat16' or 'float16', threads, runs_in_float32]")
+        chosen[(lq, lk, e, causal, masked, getattr(torch, dt), threads)] = (fp32, None, None)
+    with _lock:
+        _chosen.update(chosen)
 
 
 def decisions() -> List[Dict[str, Any]]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from .. import diagnostics
 from ..base import running
 from ..base.errors import ConfigError
+from ..patching import attention
 from .api import current
 from .patches import ensure_patches
 from .state import run_of
@@ -19,7 +20,8 @@ STATE_VERSION = 1
 
 
 def state_dict(destination: Optional[dict] = None) -> dict:
-    """amp_patch's state for a checkpoint: every loss scaler and the opt level.
+    """amp_patch's state for a checkpoint: every loss scaler, the opt level, and
+    under ``cast_policy="auto"`` the attention precisions chosen so far.
 
     The format is apex.amp's, ``{"loss_scaler0": {"loss_scale": ...,
     "unskipped": ...}, ...}``, each entry with the scaler's other counters
@@ -44,6 +46,10 @@ def state_dict(destination: Optional[dict] = None) -> dict:
         "opt_level": amp.config.opt_level,
         "half_dtype": str(amp.config.half_dtype).replace("torch.", ""),
     }
+    if amp.config.cast_policy == "auto":
+        # the resumed run takes these rather than measuring again: a near-tie
+        # measured the other way would change what it computes
+        out["amp_patch"]["attention"] = attention.saved()
     return out
 
 
@@ -105,6 +111,12 @@ def load_state_dict(state: dict, *, strict: bool = True) -> None:
             copy.deepcopy(s).load_state_dict(entry)
         except ValueError as e:
             raise ConfigError(f"amp_patch.load_state_dict: loss scaler {i}: {e}") from None
+    choices = meta.get("attention") if isinstance(meta, dict) else None
+    if choices is not None:
+        try:
+            attention.restore(choices)
+        except ValueError as e:
+            raise ConfigError(f"amp_patch.load_state_dict: {e}") from None
     notes = []
     ours = str(amp.config.half_dtype).replace("torch.", "")
     if half is not None and half != ours:

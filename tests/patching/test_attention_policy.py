@@ -281,3 +281,32 @@ def test_a_compiled_o2_model_traces_the_half_kernel_whole(decided):
         torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
     finally:
         torch._dynamo.reset()
+
+
+def test_a_checkpoint_carries_the_choices_so_a_resumed_run_computes_the_same(monkeypatch, decided):
+    decided(True)
+    q, k, v, dout = _qkv()
+    model = nn.Linear(4, 4)
+    with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2"):
+        first = F.scaled_dot_product_attention(q, k, v)
+        state = amp_patch.state_dict()
+    assert state["amp_patch"]["attention"] == [[32, 32, 16, False, False, "bfloat16", torch.get_num_threads(), True]]
+    # a new process measures the other way; the checkpoint wins
+    decided(False)
+    model = nn.Linear(4, 4)
+    with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2"):
+        amp_patch.load_state_dict(state)
+        again = F.scaled_dot_product_attention(q, k, v)
+        text = str(amp_patch.report())
+    assert torch.equal(again, first) and type(again.grad_fn).__name__ == "Fp32AttentionBackward"
+    assert "from the checkpoint" in text
+    # a malformed choice is refused before anything changes, and names the fix
+    decided(False)
+    bad = {**state, "amp_patch": {**state["amp_patch"], "attention": [[32, 32, 16, False, False, "int8", 1, True]]}}
+    with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2"):
+        with pytest.raises(amp_patch.ConfigError, match="attention choice 0 .*'bfloat16' or 'float16'"):
+            amp_patch.load_state_dict(bad)
+    assert attention.decisions() == []
+    # parity runs save no choices
+    with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", cast_policy="parity"):
+        assert "attention" not in amp_patch.state_dict()["amp_patch"]
