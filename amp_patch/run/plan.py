@@ -230,10 +230,11 @@ class Plan:
                 running.set_session(amp)
             elif self.apex_rules:
                 scaling_state.restart(amp, self.config)
-                if amp.config.patch_torch_functions and not len(amp.patcher):
+                items = function_items(amp, self.registrations)
+                if items and not len(amp.patcher):
                     # _amp_state.handle._deactivate() took the patches off; Apex's
                     # next amp.initialize patched again, and so does this one
-                    amp.patch(patch_items(amp, self.registrations) + dataloader_items())
+                    amp.patch(items)
             originals = model_side.attach(amp, self.models, self.config)
             built = optimizers_side.attach(amp, self.models, self.optimizers, originals, self.config)
             flight.watch(amp, self.models)
@@ -243,12 +244,11 @@ class Plan:
             amp.extend(amp.models, self.models)
             amp.extend(amp.optimizers, self.optimizers)
             if fresh:
-                if amp.config.patch_torch_functions:
-                    amp.patch(patch_items(amp, self.registrations) + dataloader_items())
-                    if amp.ledger is not None:
-                        amp.ledger.start(amp)
-                elif amp.config.cast_policy == "auto" and amp.config.cast_model_type in LOW and amp.device_type == "cpu":
-                    amp.patch([attention_item(amp)])
+                items = function_items(amp, self.registrations)
+                if items:
+                    amp.patch(items)
+                if amp.config.patch_torch_functions and amp.ledger is not None:
+                    amp.ledger.start(amp)
                 if amp.config.find_overflow:
                     diagnostics.arm_find_overflow(amp)
         except BaseException:
@@ -370,6 +370,18 @@ def end(amp: Session) -> None:
 
 
 # ---------------------------------------------------------------- patch items
+
+
+def function_items(amp: Session, registrations: Sequence[Registration]) -> List[PatchItem]:
+    """What ``amp`` patches: O1/O4 the op lists (and registrations, and the
+    DataLoader's fetch); O2/O5 under ``cast_policy="auto"`` on CPU, attention
+    alone; O0/O3 nothing."""
+    config = amp.config
+    if config.patch_torch_functions:
+        return patch_items(amp, registrations) + dataloader_items()
+    if config.cast_policy == "auto" and config.cast_model_type in LOW and amp.device_type == "cpu":
+        return [attention_item(amp)]
+    return []
 
 
 def patch_items(amp: Session, registrations: Sequence[Registration]) -> List[PatchItem]:

@@ -310,3 +310,19 @@ def test_a_checkpoint_carries_the_choices_so_a_resumed_run_computes_the_same(mon
     # parity runs save no choices
     with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", cast_policy="parity"):
         assert "attention" not in amp_patch.state_dict()["amp_patch"]
+
+
+def test_apex_amp_initialize_at_o2_takes_the_same_default(decided):
+    from amp_patch import amp as apex_amp
+
+    decided(True)
+    model = nn.Linear(4, 4)
+    try:
+        model, opt = apex_amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                                         verbosity=0)
+        assert F.scaled_dot_product_attention is not TORCH.sdpa
+        q, k, v, _ = _qkv()
+        assert type(F.scaled_dot_product_attention(q, k, v).grad_fn).__name__ == "Fp32AttentionBackward"
+    finally:
+        amp_patch.deinitialize()
+    assert F.scaled_dot_product_attention is TORCH.sdpa
