@@ -13,7 +13,6 @@ one-sample measurement and ``MARGIN``).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
@@ -33,18 +32,6 @@ SHAPES = [
 ]
 
 
-def _time_pair(half, fp32, rounds: int):
-    th = tf = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        half()
-        th = min(th, time.perf_counter() - t)
-        t = time.perf_counter()
-        fp32()
-        tf = min(tf, time.perf_counter() - t)
-    return th * 1e3, tf * 1e3
-
-
 def measure(shape, dtype, rounds):
     b, h, lq, lk, e, causal = shape
     g = torch.Generator().manual_seed(0)
@@ -60,7 +47,7 @@ def measure(shape, dtype, rounds):
         torch.autograd.grad(attention.Fp32Attention.apply(q, k, v, None, causal, None), (q, k, v), dout)
 
     half(), fp32()  # warm-up
-    t_half, t_fp32 = _time_pair(half, fp32, rounds)
+    t_half, t_fp32 = attention.time_pair(half, fp32, rounds)
     chosen = attention.fp32_wins(lq, lk, e, causal, False, dtype, F.scaled_dot_product_attention)
     return t_half, t_fp32, chosen
 

@@ -207,16 +207,22 @@ def _measure(key: Key, original: Callable) -> Optional[Tuple[bool, float, float]
         except RuntimeError:
             return None
         half()
-        # alternated, best of each: a slow moment of a shared machine hits both
-        t_half = t_fp32 = float("inf")
-        for _ in range(5 if lq * lk <= 512 * 512 else 2):
-            t = time.perf_counter()
-            half()
-            t_half = min(t_half, time.perf_counter() - t)
-            t = time.perf_counter()
-            fp32()
-            t_fp32 = min(t_fp32, time.perf_counter() - t)
-    return t_fp32 <= MARGIN * t_half, t_half * 1e3, t_fp32 * 1e3
+        t_half, t_fp32 = time_pair(half, fp32, 5 if lq * lk <= 512 * 512 else 2)
+    return t_fp32 <= MARGIN * t_half, t_half, t_fp32
+
+
+def time_pair(a: Callable[[], Any], b: Callable[[], Any], rounds: int) -> Tuple[float, float]:
+    """Milliseconds of ``a`` and of ``b``, alternated, the best of ``rounds`` each:
+    a slow moment of a shared machine hits both."""
+    best_a = best_b = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        a()
+        best_a = min(best_a, time.perf_counter() - t)
+        t = time.perf_counter()
+        b()
+        best_b = min(best_b, time.perf_counter() - t)
+    return best_a * 1e3, best_b * 1e3
 
 
 def fp32_wins(lq: int, lk: int, head: int, causal: bool, masked: bool, dt: torch.dtype, original: Callable) -> bool:
