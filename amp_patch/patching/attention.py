@@ -158,7 +158,9 @@ def _parse(args: tuple, kwargs: Optional[dict]) -> Optional[Call]:
         return None
     if not (q.requires_grad or k.requires_grad or v.requires_grad):
         return None
-    if q.device.type != "cpu" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.is_nested or q.layout != torch.strided:
+    if q.is_nested or k.is_nested or v.is_nested or q.layout != torch.strided:
+        return None
+    if q.device.type != "cpu" or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or k.shape[1] == 0:
         return None
@@ -180,8 +182,10 @@ def _parse(args: tuple, kwargs: Optional[dict]) -> Optional[Call]:
             return None
         if not (mask.is_floating_point() or mask.dtype == torch.bool):
             return None
-        if mask.device.type != "cpu" or mask.dim() > 4:
+        if mask.device.type != "cpu" or mask.dim() not in (2, 3, 4):
             return None
+        if mask.dim() == 3:  # (heads or 1, query, key): the kernel takes 2 or 4 dimensions
+            mask = mask.unsqueeze(0)
     return q, k, v, mask, causal, scale
 
 
@@ -255,7 +259,12 @@ def attend(original: Callable, args: tuple, kwargs: Optional[dict]) -> Optional[
         return None
     if not fp32_wins(q.shape[2], k.shape[2], q.shape[3], causal, mask is not None, dt, original):
         return None
-    return Fp32Attention.apply(q, k, v, mask, causal, scale, q.shape[1] // k.shape[1])
+    try:
+        return Fp32Attention.apply(q, k, v, mask, causal, scale, q.shape[1] // k.shape[1])
+    except RuntimeError:
+        # a form the FP32 kernel refuses (nothing was recorded): torch's own call
+        # runs it, or raises its own error if the call is wrong
+        return None
 
 
 def keeps_fp32(original: Callable, args: tuple, kwargs: Optional[dict], half: torch.dtype) -> bool:

@@ -53,14 +53,15 @@ def _grads(out, inputs, dout):
 
 
 @pytest.mark.parametrize("dtype", [bf16, f16])
-@pytest.mark.parametrize("form", ["plain", "causal", "mask", "bool mask", "scale", "gqa"])
+@pytest.mark.parametrize("form", ["plain", "causal", "mask", "bool mask", "2-d mask", "3-d mask", "scale", "gqa"])
 def test_the_fp32_kernel_on_half_inputs_equals_torchs_fp32_attention_cast_back(dtype, form, decided):
     decided(True)
     q, k, v, dout = _qkv(dtype=dtype)
     if form == "gqa":  # 4 query heads share 2 key/value heads
         k, v = (t.detach()[:, :2].clone().requires_grad_() for t in (k, v))
     g = torch.Generator().manual_seed(3)
-    mask = {"mask": torch.randn(3, 1, 32, 32, generator=g), "bool mask": torch.rand(3, 1, 32, 32, generator=g) > 0.3}.get(form)
+    mask = {"mask": torch.randn(3, 1, 32, 32, generator=g), "bool mask": torch.rand(3, 1, 32, 32, generator=g) > 0.3,
+            "2-d mask": torch.randn(32, 32, generator=g), "3-d mask": torch.randn(4, 32, 32, generator=g)}.get(form)
     kw = {"is_causal": form == "causal", "scale": 0.3 if form == "scale" else None, "attn_mask": mask}
     if form == "gqa":
         kw["enable_gqa"] = True
@@ -69,7 +70,8 @@ def test_the_fp32_kernel_on_half_inputs_equals_torchs_fp32_attention_cast_back(d
         out = F.scaled_dot_product_attention(q, k, v, **kw)
     assert type(out.grad_fn).__name__ == "Fp32AttentionBackward"
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref_kw = dict(kw, enable_gqa=False)
+    # a 3-d mask is (heads, query, key): the FP32 kernel takes it with a leading 1, as it broadcasts
+    ref_kw = dict(kw, enable_gqa=False, attn_mask=mask.unsqueeze(0) if form == "3-d mask" else mask)
     k_ref, v_ref = (t.repeat_interleave(2, dim=1) for t in (k32, v32)) if form == "gqa" else (k32, v32)
     ref = TORCH.sdpa(q32, k_ref, v_ref, **ref_kw)  # torch's FP32 kernel on the inputs cast up
     assert out.dtype == dtype
@@ -77,7 +79,7 @@ def test_the_fp32_kernel_on_half_inputs_equals_torchs_fp32_attention_cast_back(d
     # gradients: closer to FP32's than the half kernel's, in the half dtype
     got = _grads(out, (q, k, v), dout)
     want = _grads(ref, (q32, k32, v32), dout.float())
-    half_kw = dict(kw, attn_mask=mask.to(dtype) if form == "mask" else mask)
+    half_kw = dict(kw, attn_mask=mask.to(dtype) if form in ("mask", "2-d mask", "3-d mask") else mask)
     half = _grads(TORCH.sdpa(q, k, v, **half_kw), (q, k, v), dout)
     for a, w, h in zip(got, want, half):
         assert a.dtype == dtype
@@ -160,9 +162,13 @@ def test_the_levels_default_cast_policies():
     assert parse("O1", "cpu", cast_policy="auto").cast_policy == "auto"
 
 
+def _refuse(*args, **kwargs):
+    raise RuntimeError("this form is not supported")
+
+
 @pytest.mark.parametrize("call", ["dropout", "gqa off", "uneven gqa", "no grad", "fp32", "three dims", "mixed", "mask grad",
-                                  "causal and mask", "int mask"])
-def test_calls_it_cannot_take_run_the_original(decided, call):
+                                  "causal and mask", "int mask", "1-d mask", "refused"])
+def test_calls_it_cannot_take_run_the_original(decided, call, monkeypatch):
     decided(True)
     q, k, v, _ = _qkv()
     args, kw = (q, k, v), {}
@@ -174,6 +180,10 @@ def test_calls_it_cannot_take_run_the_original(decided, call):
         args, kw = (q, k[:, :3].detach(), v[:, :3].detach()), {"enable_gqa": True}
     elif call == "int mask":
         kw = {"attn_mask": torch.ones(32, 32, dtype=torch.int32)}
+    elif call == "1-d mask":
+        kw = {"attn_mask": torch.zeros(32)}
+    elif call == "refused":  # a form the FP32 kernel turns down at run time: torch's call runs instead
+        monkeypatch.setattr(attention, "_flash", _refuse)
     elif call == "fp32":
         args = tuple(t.detach().float().requires_grad_() for t in args)
     elif call == "three dims":
@@ -186,11 +196,11 @@ def test_calls_it_cannot_take_run_the_original(decided, call):
         kw = {"attn_mask": torch.zeros(32, 32), "is_causal": True}
     model = nn.Linear(4, 4)
     with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2"):
-        if call in ("mixed", "causal and mask", "gqa off", "uneven gqa", "int mask"):  # whatever the original does
+        if call in ("mixed", "causal and mask", "gqa off", "uneven gqa", "int mask", "1-d mask"):  # whatever the original does
             try:
                 want = TORCH.sdpa(*args, **kw)
-            except RuntimeError as e:
-                with pytest.raises(RuntimeError, match=re.escape(str(e)[:30])):
+            except (RuntimeError, IndexError) as e:
+                with pytest.raises(type(e), match=re.escape(str(e)[:30])):
                     F.scaled_dot_product_attention(*args, **kw)
                 return
         torch.manual_seed(1)
@@ -204,7 +214,7 @@ def test_calls_it_cannot_take_run_the_original(decided, call):
         want = TORCH.sdpa(*args, **kw)
     assert out.dtype == want.dtype and torch.equal(out, want)
     assert out.grad_fn is None or type(out.grad_fn).__name__ != "Fp32AttentionBackward"
-    assert attention.decisions() == []
+    assert attention.decisions() == [] or call == "refused"  # that one was measured, then turned down
 
 
 def test_o4_auto_keeps_chosen_attention_in_fp32_and_says_why(decided):
