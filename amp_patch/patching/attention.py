@@ -82,15 +82,18 @@ def _slices(q: Tensor, mask: Optional[Tensor]) -> Iterator[Tuple[slice, Optional
     b = q.shape[0]
     per = max(1, SLICE // max(1, q[0].numel()))
     split = mask is not None and mask.dim() == 4 and mask.shape[0] == b
+    shared = None if split else _fp32_mask(mask)  # one mask for every slice: cast once
     for i in range(0, b, per):  # one slice's FP32 copies at a time
-        yield slice(i, i + per), _fp32_mask(mask[i:i + per] if split else mask)
+        yield slice(i, i + per), _fp32_mask(mask[i:i + per]) if split else shared
 
 
 def _fp32_mask(mask: Optional[Tensor]) -> Optional[Tensor]:
     """The mask as the FP32 kernel takes it: a boolean one (True: attend) becomes
     0 and -inf, as torch's own attention converts it."""
-    if mask is None or mask.dtype != torch.bool:
-        return None if mask is None else mask.float()
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        return mask.float()
     return torch.zeros(mask.shape, dtype=f32, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
 
 
@@ -247,18 +250,26 @@ def fp32_wins(lq: int, lk: int, head: int, causal: bool, masked: bool, dt: torch
     return found is not None and found[0]
 
 
-def attend(original: Callable, args: tuple, kwargs: Optional[dict]) -> Optional[Tensor]:
-    """At O2/O5: the FP32 kernel's result for a half call it can take and runs
-    faster here, in the call's dtype; None otherwise (the caller runs ``original``)."""
+def _chosen_call(original: Callable, args: tuple, kwargs: Optional[dict], dt: torch.dtype) -> Optional[Call]:
+    """The call, parsed, when the FP32 kernel can take it and its class runs faster in FP32 than in ``dt``."""
     call = _parse(args, kwargs)
     if call is None:
         return None
+    q, k, _, mask, causal, _ = call
+    return call if fp32_wins(q.shape[2], k.shape[2], q.shape[3], causal, mask is not None, dt, original) else None
+
+
+def attend(original: Callable, args: tuple, kwargs: Optional[dict]) -> Optional[Tensor]:
+    """At O2/O5: the FP32 kernel's result for a half call it can take and runs
+    faster here, in the call's dtype; None otherwise (the caller runs ``original``)."""
+    q = args[0] if args else None
+    dt = q.dtype if isinstance(q, Tensor) else None
+    if dt not in LOW or len(args) < 3 or getattr(args[1], "dtype", None) is not dt or getattr(args[2], "dtype", None) is not dt:
+        return None  # an FP32 call (or none of ours) goes straight through
+    call = _chosen_call(original, args, kwargs, dt)
+    if call is None:
+        return None
     q, k, v, mask, causal, scale = call
-    dt = q.dtype
-    if dt not in LOW or k.dtype is not dt or v.dtype is not dt:
-        return None
-    if not fp32_wins(q.shape[2], k.shape[2], q.shape[3], causal, mask is not None, dt, original):
-        return None
     try:
         return Fp32Attention.apply(q, k, v, mask, causal, scale, q.shape[1] // k.shape[1])
     except RuntimeError:
@@ -270,11 +281,7 @@ def attend(original: Callable, args: tuple, kwargs: Optional[dict]) -> Optional[
 def keeps_fp32(original: Callable, args: tuple, kwargs: Optional[dict], half: torch.dtype) -> bool:
     """At O1/O4 under ``cast_policy="auto"``: whether this call, which the half
     list would run in ``half``, runs faster in FP32 here."""
-    call = _parse(args, kwargs)
-    if call is None:
-        return False
-    q, k, _, mask, causal, _ = call
-    return fp32_wins(q.shape[2], k.shape[2], q.shape[3], causal, mask is not None, half, original)
+    return _chosen_call(original, args, kwargs, half) is not None
 
 
 def saved() -> List[list]:

@@ -144,6 +144,17 @@ class AutoAttention:
         return "attention measured faster in float32 here (cast_policy='auto')"
 
 
+def auto_plan(plan: Callable, qualname: str, original: Callable, half: torch.dtype,
+              min_flops: float) -> "Optional[Auto | AutoAttention]":
+    """The planner of a ``half`` op under ``cast_policy="auto"``, or None for an
+    op whose cost it cannot judge (it keeps its list's policy)."""
+    if qualname in FLOPS:
+        return Auto(plan, qualname, min_flops)
+    if qualname == attention.QUALNAME:
+        return AutoAttention(plan, original, half)
+    return None
+
+
 def _flops_text(n: float) -> str:
     if math.isinf(n):
         return "inf FLOP"

@@ -347,7 +347,8 @@ def make_wrapper(
         live: the session's ``Live`` flag; the wrapper calls straight
             through once it is off.
         min_flops: ``cast_policy="auto"``: a ``half`` op of ``costs.FLOPS``
-            runs in FP32 on a call under this many FLOPs (0: never).
+            runs in FP32 on a call under this many FLOPs, and attention where
+            its half kernel is slower here (``costs.auto_plan``); 0: neither.
     """
     kind = MethodWrapper if method else OpWrapper
     if policy == "banned":
@@ -355,13 +356,10 @@ def make_wrapper(
     name = qualname.rpartition(".")[2]
     plan = make_planner(policy, half, qualname)
     inplace_at = None if is_inplace(name) else _inplace_parameter(original)
-    sized = bool(min_flops) and policy == "half" and qualname in costs.FLOPS
-    if sized:
-        plan = costs.Auto(plan, qualname, min_flops)
-    # cast_policy="auto": attention stays FP32 where its half kernel is slower here
-    attends = bool(min_flops) and policy == "half" and qualname == attention.QUALNAME
-    if attends:
-        plan = costs.AutoAttention(plan, original, half)
+    auto = costs.auto_plan(plan, qualname, original, half, min_flops) if min_flops and policy == "half" else None
+    if auto is not None:
+        plan = auto
+    sized = isinstance(auto, costs.Auto)  # a call's FLOPs, which the C path reads itself
     if is_inplace(name):
         # ``x.exp_()`` and ``torch.exp_(x)`` alike: the receiver is args[0]
         fn = _inplace(policy, qualname, live, ledger)
@@ -382,7 +380,7 @@ def make_wrapper(
             fn = _call_through
         elif sized:  # cast_policy="auto": the planner decides on every call the C path hands it
             fn = general
-        elif attends:  # one call is milliseconds of work: no C path needed
+        elif auto is not None:  # attention: one call is milliseconds of work, no C path needed
             return kind(original, general)
         elif promote:
             fn = _promote(original, general, cache, live)
@@ -623,7 +621,7 @@ class _Counter:
 def _instrumented(qualname, policy, plan, cache, ledger, live):
     """The same call path with the op ledger recording it (``collect_stats``)."""
     record = ledger.record
-    why = getattr(plan, "why", None)  # costs.Auto: why a call stayed FP32
+    why = getattr(plan, "why", None)  # costs.Auto / AutoAttention: why a call stayed FP32
 
     def wrapper(wrapped, instance, args, kwargs):
         if (disabled and get_ident() in disabled) or not live.on:
