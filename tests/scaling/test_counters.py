@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import amp_patch
 from amp_patch import amp
 from amp_patch.base import running
-from helpers import batch, mlp, sgd
+from helpers import amp as session, batch, mlp, sgd
 
 pytestmark = pytest.mark.quick  # every test here is fast
 bf16, f16 = torch.bfloat16, torch.float16
@@ -30,8 +30,7 @@ def _train(model, optimizers, steps):
 @pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
 def test_a_bf16_run_counts_its_steps_everywhere(level):
     model = mlp(4, 8, 1)
-    model, opt = amp_patch.initialize(model, sgd(model), opt_level=level, half_dtype=bf16, verbosity=0)
-    try:
+    with session(model, sgd(model), opt_level=level, half_dtype=bf16, verbosity=0) as (model, opt):
         _train(model, [opt], 10)
         c = amp_patch.counters()
         assert (c["steps"], c["skipped"], c["loss_scale"]) == (10, 0, [1.0])
@@ -41,8 +40,6 @@ def test_a_bf16_run_counts_its_steps_everywhere(level):
         assert (sd["loss_scale"], sd["unskipped"], sd["steps"]) == (1.0, 10, 10)
         assert amp._amp_state.loss_scalers[0]._unskipped == 10
         assert "loss 0: 10 steps, 0 skipped; scale 1 now (min 1, max 1)" in str(amp_patch.report())
-    finally:
-        amp_patch.deinitialize()
 
 
 def test_two_optimizers_stepping_each_iteration_count_one_step_of_the_loss():
@@ -51,36 +48,27 @@ def test_two_optimizers_stepping_each_iteration_count_one_step_of_the_loss():
     model = mlp(4, 8, 1)
     first, second = list(model.parameters())[:2], list(model.parameters())[2:]
     opts = [torch.optim.SGD(first, lr=0.01), torch.optim.SGD(second, lr=0.01)]
-    model, opts = amp_patch.initialize(model, opts, opt_level="O1", half_dtype=bf16, verbosity=0)
-    try:
+    with session(model, opts, opt_level="O1", half_dtype=bf16, verbosity=0) as (model, opts):
         _train(model, opts, 4)
         c = amp_patch.counters()
         assert c["steps"] == 8 and [o["steps"] for o in c["optimizers"]] == [4, 4]
         assert c["losses"][0]["steps"] == 4
-    finally:
-        amp_patch.deinitialize()
 
 
 def test_an_fp16_static_scale_counts_unskipped_steps_as_apex_did():
     model = mlp(4, 8, 1)
-    model, opt = amp_patch.initialize(model, sgd(model), opt_level="O1", half_dtype=f16, loss_scale=128.0, verbosity=0)
-    try:
+    with session(model, sgd(model), opt_level="O1", half_dtype=f16, loss_scale=128.0, verbosity=0) as (model, opt):
         _train(model, [opt], 3)
         sd = amp_patch.state_dict()["loss_scaler0"]
         assert (sd["loss_scale"], sd["unskipped"], sd["steps"], sd["dynamic"]) == (128.0, 3, 3, False)
-    finally:
-        amp_patch.deinitialize()
 
 
 def test_a_dynamic_scale_still_restarts_its_growth_count_when_it_grows():
     model = mlp(4, 8, 1)
-    model, opt = amp_patch.initialize(model, sgd(model), opt_level="O1", half_dtype=f16, growth_interval=2, verbosity=0)
-    try:
+    with session(model, sgd(model), opt_level="O1", half_dtype=f16, growth_interval=2, verbosity=0) as (model, opt):
         _train(model, [opt], 5)
         loss = amp_patch.counters()["losses"][0]
         assert (loss["loss_scale"], loss["steps"], loss["growth_tracker"], loss["dynamic"]) == (2.0**18, 5, 1, True)
-    finally:
-        amp_patch.deinitialize()
 
 
 def test_counters_and_report_after_deinitialize_are_the_last_runs():
@@ -96,10 +84,7 @@ def test_counters_and_report_after_deinitialize_are_the_last_runs():
     assert running.session() is None
 
     other = mlp(4, 8, 1)
-    other, opt = amp_patch.initialize(other, sgd(other), opt_level="O1", half_dtype=bf16, verbosity=0)
-    try:
+    with session(other, sgd(other), opt_level="O1", half_dtype=bf16, verbosity=0) as (other, opt):
         assert amp_patch.counters()["steps"] == 0  # a running session's own figures
         _train(other, [opt], 2)
-    finally:
-        amp_patch.deinitialize()
     assert amp_patch.counters()["steps"] == 2 and amp_patch.report().half_dtype == "bfloat16"
