@@ -53,6 +53,7 @@ from ..diagnostics import AmpWarning, setup_checks
 from ..diagnostics.stats import dtype_name
 from ..base.errors import ConfigError
 from ..scaling.checkpoint import counters
+from ..precision import kernel
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -113,7 +114,7 @@ class Result:
     peak_bytes: Optional[int] = None
     layers: str = ""
     unavailable: str = ""
-    step: str = ""  # O2: which optimizer step ran
+    step: str = ""  # O1/O2/O4/O5: which optimizer step ran
 
 
 # ------------------------------------------------------------------ statistics
@@ -389,14 +390,16 @@ class Trainer:
 
 
 def _step_kind(mode: str) -> str:
-    """Which optimizer step an O2/O5 run took: the default one-pass step, or the plain one."""
-    if mode not in ("O2", "O5"):
+    """Which optimizer step an O1/O2/O4/O5 run took: the default one-pass step, or the plain one."""
+    if mode not in ("O1", "O2", "O4", "O5"):
         return ""
     c = counters()
     one, total = c["optimizers"][0]["one_pass"], c["steps"]
     if one:
         return f"{mode}'s optimizer step (the default, no option): one pass in C per parameter for {one} of {total} steps"
-    return f"{mode}'s optimizer step: the plain step (the one-pass C step is not built here)"
+    if kernel.native is None:
+        return f"{mode}'s optimizer step: the plain step (the one-pass C step is not built here)"
+    return f"{mode}'s optimizer step: the plain step (this optimizer is not one the one-pass step covers)"
 
 
 def _worker(conn: "Connection", mode: str, config: Dict[str, Any], device_name: str, threads: int, quiet_bf16: bool) -> None:

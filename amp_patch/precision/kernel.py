@@ -1,4 +1,4 @@
-"""The default O2/O5 optimizer step: one pass per parameter, in C.
+"""The default optimizer step of O1/O2/O4/O5: one pass per parameter, in C.
 
 The plain O2 step runs the optimizer's update over the FP32 masters (a
 multi-tensor pass per state tensor) and then copies the masters into the half
@@ -18,6 +18,15 @@ is applied. The kernel replaces the optimizer's update and the copy into the
 half model. It also takes half gradients and an inverse scale (the C entry
 points' ``items`` and ``inv``), which its tests use.
 
+At O1/O4 there are no masters: the parameters are the model's own FP32
+ones, and the kernel is their optimizer's update with no half copy to write.
+What it saves there is not memory traffic but calls: torch's CPU optimizers
+step one parameter at a time, a few tensor operations each, and on a small
+model (tens of small parameters) those calls cost more than the arithmetic.
+One call per param group does the same float operations. O1 takes it only
+where it is bit for bit torch's step (Adam needs ``sqrt_mode()`` "torch" or
+"ieee"). O0 (the FP32 reference) and O3 (half parameters) keep torch's step.
+
 What it covers: ``torch.optim.SGD`` (momentum, dampening, nesterov,
 weight_decay, maximize) and ``Adam``/``AdamW`` (amsgrad, weight_decay,
 maximize), exactly those classes, with float hyperparameters, on dense,
@@ -26,7 +35,7 @@ optimizer's own would (once the step is taken: a skipped first step makes
 none). Everything else takes the plain step (or, under ``fused_update=True``,
 the compiled one where that applies): other optimizers and subclasses,
 ``foreach``/``fused``/``capturable``/``differentiable`` set, a tensor
-learning rate, sparse or complex gradients, CUDA or non-contiguous tensors,
+learning rate, sparse or complex gradients, CUDA or non-contiguous tensors, tensor subclasses (DTensor),
 an optimizer whose ``step`` was replaced or that has step hooks, a closure.
 Without a C compiler at install the module is absent and every step is the
 plain one.
@@ -154,9 +163,19 @@ class Plan(NamedTuple):
     device: torch.device = _CPU
 
 
+_STRIDED = torch.strided
+_NO_STATE = (None, None, None, None)
+
+
+#: the tensor types whose ``data_ptr`` is their own storage; a subclass (FSDP2's
+#: DTensor, a quantized parameter) may hold its values elsewhere
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _ok(t: Tensor, n: int) -> bool:
-    """A dense, contiguous CPU tensor of ``n`` elements."""
-    return t.device.type == "cpu" and t.layout is torch.strided and t.is_contiguous() and t.numel() == n
+    """A plain, dense, contiguous CPU tensor of ``n`` elements. (Read on every parameter
+    at every step: ``is_cpu`` costs a sixth of building ``t.device``.)"""
+    return type(t) in _PLAIN and t.is_cpu and t.layout is _STRIDED and t.is_contiguous() and t.numel() == n
 
 
 def _ptr(t: Optional[Tensor]) -> int:
@@ -186,13 +205,24 @@ def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: float, found: int) -> N
 
 
 class KernelStep:
-    """The one-pass step of one optimizer's FP32 masters (see the module docstring)."""
+    """The one-pass step of one optimizer (see the module docstring).
 
-    def __init__(self, masters: MasterWeights):
-        self.mw = masters  # master.MasterWeights
+    With ``masters`` (O2/O5) it updates the FP32 masters and writes the half
+    model. Without (O1/O4, whose parameters are the model's own FP32 ones) it
+    is the optimizer's update in one call instead of a few tensor operations
+    per parameter: on a small model, those calls' overhead is most of the step.
+    There it runs only where it is bit for bit the plain step (``exact``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: Optional[MasterWeights] = None):
+        self.opt = optimizer
+        self.mw = masters  # master.MasterWeights, or None for an FP32 model's own parameters
         self.steps = 0  # steps the kernel took
-        sqrt_mode()
-        self.adam = type(masters.optimizer) is not SGD
+        self.adam = type(optimizer) is not SGD
+        # Adam's square root matches torch's bit for bit unless sqrt_mode() is
+        # "approximate"; O2's masters accept the stated ulp bound there, an FP32
+        # model's own weights (O1) take the plain step instead
+        self.exact = not self.adam or sqrt_mode() != "approximate"
         #: the optimizer's step as the plain step would call it (set when amp_patch patches the optimizer)
         self.original: Optional[Callable[..., Any]] = None
 
@@ -203,29 +233,30 @@ class KernelStep:
         The gradients are the masters' FP32 ones (unscaled) and the FP32
         parameters' own.
         """
-        mw = self.mw
-        opt = mw.optimizer
-        if native is None or torch.compiler.is_compiling() or refused(opt, self.original) is not None:
+        mw, opt = self.mw, self.opt
+        if native is None or (mw is None and not self.exact) or torch.compiler.is_compiling() \
+                or refused(opt, self.original) is not None:
             return None
         groups = []
+        index = {} if mw is None else mw.index
+        state_of = opt.state
         for group in opt.param_groups:
             entries: List[Entry] = []
             halfs: List[Tensor] = []
             for p in group["params"]:
-                i = mw.index.get(id(p))
+                i = index.get(id(p))
                 h = mw.halfs[i] if i is not None and mw.masters[i] is p else None
                 g = p.grad
                 if g is None:
                     continue
                 n = p.numel()
-                if (p.dtype != f32 or not _ok(p, n) or g.layout is not torch.strided or not _ok(g, n)
-                        or g.dtype not in KINDS):
+                if p.dtype is not f32 or g.dtype not in KINDS or not _ok(p, n) or not _ok(g, n):
                     return None
                 if h is not None:
                     if h.dtype not in KINDS or not _ok(h, n):
                         return None
                     halfs.append(h)
-                state = self._state(group, p, n)
+                state = self._state(state_of.get(p), group, n)
                 if state is False:
                     return None
                 entries.append(Entry(p, g, h, state))
@@ -234,17 +265,16 @@ class KernelStep:
             return None  # no gradient at all: the plain step has nothing to do either
         return Plan(groups)
 
-    def _state(self, group: Dict[str, Any], p: Tensor, n: int) -> Union[Tuple[Optional[Tensor], ...], bool, None]:
-        """``(a, b, c, step)`` of ``p``'s optimizer state; None where the step creates it
-        (the first); False where the kernel cannot take it (the plain step raises or copes)."""
-        s = self.mw.optimizer.state.get(p)
+    def _state(self, s: Optional[Dict[str, Any]], group: Dict[str, Any], n: int) -> Union[Tuple[Optional[Tensor], ...], bool, None]:
+        """``(a, b, c, step)`` from a parameter's optimizer state ``s``; None where the step
+        creates it (the first); False where the kernel cannot take it (the plain step raises or copes)."""
         if not self.adam:
             if group["momentum"] == 0:
-                return (None, None, None, None)
+                return _NO_STATE
             a = s.get("momentum_buffer") if s else None
             if a is None:
                 return None
-            return (a, None, None, None) if a.dtype == f32 and _ok(a, n) else False
+            return (a, None, None, None) if a.dtype is f32 and _ok(a, n) else False
         if not s:
             return None if _get_scalar_dtype() == f32 else False
         amsgrad = group["amsgrad"]
@@ -261,7 +291,7 @@ class KernelStep:
     def _items(self, group: Dict[str, Any], entries: List[Entry]) -> List[tuple]:
         """The kernel's items for ``entries``, making the state a first step creates as
         the optimizer's own first step makes it (same tensors, same keys, same order)."""
-        state = self.mw.optimizer.state
+        state = self.opt.state
         items = []
         for e in entries:
             p, g, h, st = e
@@ -291,7 +321,7 @@ class KernelStep:
 
         Leaves the masters' gradients to the optimizer's ``zero_grad``, as the plain step does.
         """
-        opt = self.mw.optimizer
+        opt = self.opt
         inv = 1.0
         threads = torch.get_num_threads()
         for group, (entries, halfs) in zip(opt.param_groups, plan.groups):
@@ -306,15 +336,16 @@ class KernelStep:
             else:
                 native.sgd(items, threads, inv, group["maximize"], group["weight_decay"], group["momentum"],
                            group["dampening"], group["nesterov"], group["lr"])
-            if halfs:
-                # the model's weights changed in place, behind autograd's back: a graph that saved them must say so
-                torch.autograd.graph.increment_version(halfs)
+            # the weights changed in place behind autograd's back (the half model's, and
+            # FP32 parameters that are the model's own): a graph that saved them must say so
+            torch.autograd.graph.increment_version([e.p for e in entries] + halfs)
         self.steps += 1
         return True
 
-    def step_masters(self) -> bool:
-        """The plain step's work on gradients already in the masters (FP32, unscaled):
-        the optimizer's update and the copy into the half model, in one pass.
+    def step(self) -> bool:
+        """The plain step's work on the FP32 gradients (the masters' at O2/O5, already
+        unscaled; the parameters' own at O1/O4): the optimizer's update and, with
+        masters, the copy into the half model, in one pass.
 
         Returns False, with nothing done, when the plain step must run instead.
         """

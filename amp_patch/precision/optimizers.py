@@ -143,16 +143,17 @@ class _Release:
         self.masters.restore()
 
 
-#: what ``attach`` built for one optimizer: its masters, their compiled fused update
-#: (``fused_update=True``) and their one-pass step (where the C kernel is built), if any
-Built = Tuple[master.MasterWeights, Optional[fused.FusedUpdate], Optional[kernel.KernelStep]]
+#: what ``attach`` built for one optimizer: its masters (O2/O5), their compiled fused
+#: update (``fused_update=True``) and its one-pass step (where the C kernel is built), if any
+Built = Tuple[Optional[master.MasterWeights], Optional[fused.FusedUpdate], Optional[kernel.KernelStep]]
 
 
 def attach(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
            originals: Dict[int, tuple], config: AmpConfig) -> Dict[int, Built]:
     """Put FP32 masters into ``optimizers`` (O2/O5), built on ``originals``
     (``model.attach``), and guard the converted ``models`` against optimizers
-    nobody attached. Returns ``{id(optimizer): (masters, fused update)}``.
+    nobody attached. Returns ``{id(optimizer): (masters, fused update, one-pass step)}``;
+    at O1/O4 only the one-pass step of the FP32 parameters themselves.
 
     Each change pushes its undo onto ``amp.undo`` as it is made.
     """
@@ -160,6 +161,11 @@ def attach(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequen
         amp.undo.push(_StrayStepGuard(amp))
     built: Dict[int, Built] = {}
     if not config.master_weights:
+        if config.patch_torch_functions and kernel.native is not None:
+            # O1/O4: no masters, but the step of the model's own FP32 parameters
+            # is still one call where the kernel is exact (kernel.KernelStep)
+            for opt in optimizers:
+                built[id(opt)] = (None, None, kernel.KernelStep(opt))
         return built
     for opt in optimizers:
         mw = master.MasterWeights(opt)
@@ -167,5 +173,5 @@ def attach(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequen
         for group in opt.param_groups:
             mw.adopt(group, originals)
         built[id(opt)] = (mw, fused.FusedUpdate(mw) if config.fused_update else None,
-                          kernel.KernelStep(mw) if kernel.native is not None else None)
+                          kernel.KernelStep(opt, mw) if kernel.native is not None else None)
     return built

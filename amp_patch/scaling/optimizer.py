@@ -59,8 +59,8 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
         # A skip decision stands until the next backward: a second step() with
         # no backward in between must not apply the overflowed gradients.
         h.skip = None
-        if closure is None and h.kernel is not None and h.kernel.step_masters():
-            out = None  # the masters' FP32 gradients applied, and the model written, in one pass
+        if closure is None and h.kernel is not None and h.kernel.step():
+            out = None  # the FP32 gradients applied (and, with masters, the half model written) in one pass
         elif closure is None and h.fused is not None and _fused_step(h):
             out = None  # the compiled update, where the one-pass step cannot go
         else:

@@ -70,7 +70,7 @@ class Handle:
         self.run = run
         self.masters: Optional[master.MasterWeights] = None
         self.fused: Optional[FusedUpdate] = None  # fused.FusedUpdate under fused_update=True
-        self.kernel: Optional[KernelStep] = None  # kernel.KernelStep: the one-pass O2/O5 step, where it is built
+        self.kernel: Optional[KernelStep] = None  # kernel.KernelStep: the one-pass step (O1/O2/O4/O5), where it is built
         self.patched = False
         self.saved: Dict[str, object] = {}  # replaced instance attributes: name -> own value or _NOTSET
         self.originals: Dict[str, Callable[..., Any]] = {}  # name -> the callable we call through

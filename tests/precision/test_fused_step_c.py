@@ -281,6 +281,74 @@ def test_default_o2_step_is_the_kernel_and_trains_bit_for_bit_as_the_plain_step(
     assert {h.dtype for h in halfs} == {CONFIGS[config].get("half_dtype", bf16), f32}
 
 
+#: O1/O4 keep the model's FP32 parameters; the kernel is their optimizer's update in one call
+O1_CONFIGS = {
+    "O4_bf16": dict(opt_level="O4"),
+    "O1_fp16_dynamic": dict(opt_level="O1", half_dtype=torch.float16, init_scale=2.0**12, growth_interval=2),
+    "O1_auto": dict(opt_level="O1", cast_policy="auto"),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("config", sorted(O1_CONFIGS))
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_o1_step_is_the_kernel_and_trains_bit_for_bit_as_the_plain_step(name, config):
+    """At O1/O4 the kernel updates the model's own FP32 parameters (no masters, no half
+    copy): parameters and optimizer state bit for bit what torch's step leaves, skipped
+    FP16 steps included."""
+    inf_at = 3 if "fp16" in config else None
+    plain = train(name, 6, O1_CONFIGS[config], False, inf_at=inf_at)
+    got = train(name, 6, O1_CONFIGS[config], True, inf_at=inf_at)
+    assert_same_training(plain, got)
+    assert got[3]["optimizers"][0]["one_pass"] == 6 - (inf_at is not None)
+    assert plain[3]["optimizers"][0]["one_pass"] == 0
+    assert {p.dtype for p in got[1]} == {f32}  # the model's own parameters, still FP32
+
+
+@needs_kernel
+def test_o1_adam_takes_the_plain_step_where_the_kernels_sqrt_is_not_torchs(monkeypatch):
+    """Where the kernel's square root only approximates torch's, O2's masters accept the
+    stated ulp bound, but O1's FP32 weights are the user's own: Adam takes torch's step
+    there, SGD (no square root) still the kernel."""
+    monkeypatch.setattr(kernel, "sqrt_mode", lambda: "approximate")
+    assert train("adam", 2, O1_CONFIGS["O4_bf16"], True)[3]["optimizers"][0]["one_pass"] == 0
+    assert train("sgd_momentum_wd_dampening", 2, O1_CONFIGS["O4_bf16"], True)[3]["optimizers"][0]["one_pass"] == 2
+    assert train("adam", 2, CONFIGS["O5_bf16"], True)[3]["optimizers"][0]["one_pass"] == 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", ["O0", "O3"])
+def test_o0_and_o3_steps_are_torchs_own(level):
+    """O0 is the FP32 reference run and O3's parameters are half: neither takes the kernel."""
+    model = mlp(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with amp(model, opt, level) as (model, opt):
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(2, 4, dtype=next(model.parameters()).dtype)).float().sum().backward()
+            opt.step()
+        c = amp_patch.counters()
+    assert c["steps"] == 2 and c["optimizers"][0]["one_pass"] == 0
+
+
+@needs_kernel
+def test_the_o1_kernel_bumps_the_weights_version():
+    """As torch's in-place update does: a graph that saved an FP32 weight before the
+    step refuses to backward after it."""
+    model = nn.Sequential(nn.LayerNorm(4))  # kept FP32 at O1: its graph saves the weight itself
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    with amp(model, opt, "O4") as (model, opt):
+        for i in range(2):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).float().sum().backward()
+            if i == 1:
+                out = model(torch.randn(2, 4, requires_grad=True)).float().sum()  # saves the weight
+            opt.step()
+        assert amp_patch.counters()["optimizers"][0]["one_pass"] == 2
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", ["sgd_momentum_wd_dampening", "adamw_amsgrad"])
 def test_a_skipped_first_step_creates_no_state(name):
