@@ -23,9 +23,12 @@ ones, and the kernel is their optimizer's update with no half copy to write.
 What it saves there is not memory traffic but calls: torch's CPU optimizers
 step one parameter at a time, a few tensor operations each, and on a small
 model (tens of small parameters) those calls cost more than the arithmetic.
-One call per param group does the same float operations. O1 takes it only
-where it is bit for bit torch's step (Adam needs ``sqrt_mode()`` "torch" or
-"ieee"). O0 (the FP32 reference) and O3 (half parameters) keep torch's step.
+One call per param group does the same float operations, and one pass over
+memory where torch's momentum, weight decay and Adam make several. O1 takes
+it only where it is bit for bit torch's step (Adam needs ``sqrt_mode()``
+"torch" or "ieee") and saves work (not plain SGD, which torch already does in
+one ``add_`` per parameter). O0 (the FP32 reference) and O3 (half parameters)
+keep torch's step.
 
 What it covers: ``torch.optim.SGD`` (momentum, dampening, nesterov,
 weight_decay, maximize) and ``Adam``/``AdamW`` (amsgrad, weight_decay,
@@ -234,7 +237,7 @@ class KernelStep:
         parameters' own.
         """
         mw, opt = self.mw, self.opt
-        if native is None or (mw is None and not self.exact) or torch.compiler.is_compiling() \
+        if native is None or (mw is None and not self._worth_it()) or torch.compiler.is_compiling() \
                 or refused(opt, self.original) is not None:
             return None
         groups = []
@@ -264,6 +267,15 @@ class KernelStep:
         if not any(entries for entries, _ in groups):
             return None  # no gradient at all: the plain step has nothing to do either
         return Plan(groups)
+
+    def _worth_it(self) -> bool:
+        """Without masters (O1/O4): whether the kernel is exact here and saves work.
+        Plain SGD (no momentum, no weight decay) is already one pass per parameter
+        in torch (``param.add_``), which the kernel only matches (measured:
+        ``benchmarks/o1_step.py``); it saves passes where torch makes several."""
+        if not self.exact:
+            return False
+        return self.adam or any(g["momentum"] != 0 or g["weight_decay"] != 0 for g in self.opt.param_groups)
 
     def _state(self, s: Optional[Dict[str, Any]], group: Dict[str, Any], n: int) -> Union[Tuple[Optional[Tensor], ...], bool, None]:
         """``(a, b, c, step)`` from a parameter's optimizer state ``s``; None where the step
