@@ -38,8 +38,9 @@ optimizer's own would (once the step is taken: a skipped first step makes
 none). Everything else takes the plain step (or, under ``fused_update=True``,
 the compiled one where that applies): other optimizers and subclasses,
 ``foreach``/``fused``/``capturable``/``differentiable`` set, a tensor
-learning rate, sparse or complex gradients, CUDA or non-contiguous tensors, tensor subclasses (DTensor),
-an optimizer whose ``step`` was replaced or that has step hooks, a closure.
+learning rate, sparse or complex gradients, CUDA or non-contiguous tensors,
+tensor subclasses (FSDP2's DTensor), an optimizer whose ``step`` was replaced
+or that has step hooks, a closure.
 Without a C compiler at install the module is absent and every step is the
 plain one.
 """
@@ -168,8 +169,6 @@ class Plan(NamedTuple):
 
 _STRIDED = torch.strided
 _NO_STATE = (None, None, None, None)
-
-
 #: the tensor types whose ``data_ptr`` is their own storage; a subclass (FSDP2's
 #: DTensor, a quantized parameter) may hold its values elsewhere
 _PLAIN = (Tensor, torch.nn.Parameter)
