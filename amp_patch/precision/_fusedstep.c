@@ -543,6 +543,12 @@ enum { OP_SGD = 0, OP_ADAM = 1, OP_CHECK = 2, OP_ABSORB = 3 };
    exactly what torch.sqrt gives (set_sqrt); NULL: the CPU's correctly rounded one */
 typedef void (*sqrt_fn)(int n, const float *x, float *r);
 static sqrt_fn g_sqrt = NULL;
+/* MKL's MKL_Set_Num_Threads_Local (mkl_set_num_threads_local in its C header), where g_sqrt is MKL's: each thread of this kernel makes
+   MKL sequential while it runs. Otherwise, after torch.set_num_threads(n), every sqrt call
+   from these threads starts an OpenMP team of its own (n threads each, on a machine the
+   kernel's threads already fill): measured 3x slower than sequential on 2 cores. */
+typedef int (*local_threads_fn)(int n);
+static local_threads_fn g_local_threads = NULL;
 
 #define BLOCK 4096 /* Adam's elements per half-pass pair: p, m, v and the roots stay in L2; few calls of torch's sqrt */
 
@@ -608,6 +614,7 @@ typedef struct {
 static void *worker(void *arg) {
     Work *w = (Work *)arg;
     int bad = 0;
+    int mkl_local = (w->op == OP_ADAM && g_sqrt && g_local_threads) ? g_local_threads(1) : -1;
     for (;;) {
         Py_ssize_t c = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
         if (c >= w->nchunks) break;
@@ -618,6 +625,7 @@ static void *worker(void *arg) {
 #if FS_X86
     _mm_sfence(); /* streaming stores are seen by the other threads before the step returns */
 #endif
+    if (mkl_local >= 0) g_local_threads(mkl_local); /* the calling thread's setting, as it was */
     if (bad) __atomic_fetch_or(&w->bad, 1, __ATOMIC_RELAXED);
     return NULL;
 }
@@ -841,15 +849,19 @@ static PyObject *py_absorb(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(set_sqrt_doc,
-"set_sqrt(address) -> None\n\n"
+"set_sqrt(address, local_threads=0) -> None\n\n"
 "The square root routine Adam's denominator uses: the address of a C function void(int n, const float *x,\n"
-"float *r) (torch's own), or 0 for the CPU's correctly rounded square root.");
+"float *r) (torch's own), or 0 for the CPU's correctly rounded square root. local_threads: the address of\n"
+"MKL's int MKL_Set_Num_Threads_Local(int) where the routine is MKL's (each kernel thread calls it\n"
+"sequentially), or 0.");
 
 static PyObject *py_set_sqrt(PyObject *self, PyObject *args) {
-    PyObject *addr;
-    void *ptr;
-    if (!PyArg_ParseTuple(args, "O", &addr) || as_ptr(addr, &ptr)) return NULL;
+    PyObject *addr, *local = NULL;
+    void *ptr, *lptr = NULL;
+    if (!PyArg_ParseTuple(args, "O|O", &addr, &local) || as_ptr(addr, &ptr)) return NULL;
+    if (local && as_ptr(local, &lptr)) return NULL;
     g_sqrt = (sqrt_fn)ptr;
+    g_local_threads = ptr ? (local_threads_fn)lptr : NULL;
     Py_RETURN_NONE;
 }
 

@@ -5,7 +5,8 @@ multi-tensor pass per state tensor) and then copies the masters into the half
 model, one more pass. ``_fusedstep.c`` does it in one pass: it reads each
 gradient once, updates the FP32 master and the optimizer state, and writes the
 half weight. It starts at once (no compiler at run time), is vectorized for
-the CPU it finds, and uses torch's intra-op thread count. It computes what the
+the CPU it finds, and uses up to torch's intra-op thread count (one thread
+per ``PER_THREAD`` elements: a small step stays on one). It computes what the
 plain step computes, bit for bit on the masters and the optimizer state: each
 update is written with the float operations of torch's own CPU
 implementation, in their order, and Adam's square root is taken by the
@@ -107,15 +108,21 @@ def refused(optimizer: torch.optim.Optimizer, step: Optional[Callable[..., Any]]
     return None
 
 
-def _torch_sqrt_address() -> int:
-    """The address of the routine ``torch.sqrt`` runs on FP32 CPU tensors where torch is
-    built with MKL (its ``vsSqrt``, exported by torch's own library), or 0."""
+def _mkl_addresses() -> Tuple[int, int]:
+    """The addresses of the routine ``torch.sqrt`` runs on FP32 CPU tensors where torch is
+    built with MKL (its ``vsSqrt``, exported by torch's own library) and of MKL's
+    ``MKL_Set_Num_Threads_Local`` (the kernel's threads call the first sequentially), 0 where absent."""
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"),
                           mode=getattr(os, "RTLD_NOLOAD", 0))
-        return ctypes.cast(lib.vsSqrt, ctypes.c_void_p).value or 0
+        sqrt = ctypes.cast(lib.vsSqrt, ctypes.c_void_p).value or 0
     except (OSError, AttributeError):
-        return 0
+        return 0, 0
+    try:  # the C entry point (the lower-case name is MKL's Fortran one, which takes a pointer)
+        local = ctypes.cast(lib.MKL_Set_Num_Threads_Local, ctypes.c_void_p).value or 0
+    except AttributeError:
+        local = 0
+    return sqrt, local
 
 
 def _gives_torch_sqrt() -> bool:
@@ -141,9 +148,9 @@ def sqrt_mode() -> str:
     """
     if native is None:
         return ""
-    addr = _torch_sqrt_address()
+    addr, local = _mkl_addresses()
     if addr:
-        native.set_sqrt(addr)
+        native.set_sqrt(addr, local)
         if _gives_torch_sqrt():
             return "torch"
     native.set_sqrt(0)
@@ -180,6 +187,18 @@ def _ok(t: Tensor, n: int) -> bool:
     return type(t) in _PLAIN and t.is_cpu and t.layout is _STRIDED and t.is_contiguous() and t.numel() == n
 
 
+#: elements of work for each thread the kernel starts beyond the calling one: it
+#: starts threads per call, and a start costs about what updating 50-100 k
+#: elements does, so a small step (a small model's, at any thread count) runs
+#: on the calling thread alone
+PER_THREAD = 1 << 18
+
+
+def threads_for(elements: int) -> int:
+    """The threads the kernel uses for ``elements`` of work: torch's intra-op count at most."""
+    return max(1, min(torch.get_num_threads(), elements // PER_THREAD))
+
+
 def _ptr(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -203,7 +222,7 @@ def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: float, found: int) -> N
     ``absorbable`` and every ``dst`` a contiguous CPU FP32 tensor of its size."""
     items = [(dst.data_ptr(), g.data_ptr(), KINDS[g.dtype], 0, 0, 0, 0, 0, dst.numel(), 0, mode)
              for dst, g, mode in moves]
-    native.absorb(items, torch.get_num_threads(), inv, found)
+    native.absorb(items, threads_for(sum(it[8] for it in items)), inv, found)
 
 
 class KernelStep:
@@ -334,11 +353,11 @@ class KernelStep:
         """
         opt = self.opt
         inv = 1.0
-        threads = torch.get_num_threads()
         for group, (entries, halfs) in zip(opt.param_groups, plan.groups):
             if not entries:
                 continue
             items = self._items(group, entries)
+            threads = threads_for(sum(it[8] for it in items))
             if self.adam:
                 b1, b2 = group["betas"]
                 decoupled = bool(group.get("decoupled_weight_decay", type(opt) is ADAMW))

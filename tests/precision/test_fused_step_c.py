@@ -81,7 +81,7 @@ def _items(params, grads, opt, halfs):
         else:
             a, b, c, st = s["exp_avg"], s["exp_avg_sq"], s.get("max_exp_avg_sq"), s["step"]
         out.append((p.data_ptr(), g.data_ptr(), kernel.KINDS[g.dtype], ptr(a), ptr(b), ptr(c), ptr(h),
-                    kernel.KINDS[h.dtype], p.numel(), ptr(st), 0))
+                    kernel.KINDS[h.dtype] if h is not None else 0, p.numel(), ptr(st), 0))
     return out
 
 
@@ -304,6 +304,88 @@ def test_o1_step_is_the_kernel_and_trains_bit_for_bit_as_the_plain_step(name, co
     assert got[3]["optimizers"][0]["one_pass"] == (0 if name == "sgd" else 6 - (inf_at is not None))
     assert plain[3]["optimizers"][0]["one_pass"] == 0
     assert {p.dtype for p in got[1]} == {f32}  # the model's own parameters, still FP32
+
+
+class _Recorder:
+    """Stands in for the C module: records each call's thread count, then runs it."""
+
+    def __init__(self, real):
+        self.real, self.threads = real, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.real, name)
+        if name not in ("sgd", "adam", "absorb"):
+            return fn
+
+        def call(items, threads, *rest):
+            self.threads.append(threads)
+            return fn(items, threads, *rest)
+        return call
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", ["O4", "O5"])
+def test_the_kernel_starts_threads_only_for_work_worth_a_thread(level, monkeypatch):
+    """Starting a thread costs what updating ~100 k elements does: a small model's step
+    (and each small gradient moved into its master) runs on the calling thread at any
+    thread count; a large step takes one thread per ``PER_THREAD`` elements, up to torch's count."""
+    assert kernel.threads_for(kernel.PER_THREAD - 1) == 1
+    rec = _Recorder(C)
+    monkeypatch.setattr(kernel, "native", rec)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert kernel.threads_for(3 * kernel.PER_THREAD) == 2
+        for sizes, want in (((64, 64), 1), ((1024, 1024), 2)):
+            model = mlp(*sizes)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            rec.threads.clear()
+            with amp(model, opt, level) as (model, opt):
+                opt.zero_grad()
+                model(torch.randn(4, sizes[0], dtype=next(model.parameters()).dtype)).float().sum().backward()
+                opt.step()
+                assert amp_patch.counters()["optimizers"][0]["one_pass"] == 1
+            assert rec.threads and max(rec.threads) == want, (sizes, rec.threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _mkl_max_threads():
+    import ctypes
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"),
+                      mode=getattr(os, "RTLD_NOLOAD", 0))
+    return lib.MKL_Get_Max_Threads()
+
+
+@needs_kernel
+def test_adam_calls_mkl_sequentially_and_leaves_its_thread_setting_as_it_was():
+    """Where Adam's square root is MKL's, the kernel's threads run it sequentially (after
+    torch.set_num_threads(n) each call would otherwise start an OpenMP team of its own,
+    3x slower on two cores), bit for bit as before, and the calling thread's MKL setting
+    is what it was."""
+    if kernel.sqrt_mode() != "torch":
+        pytest.skip(f"Adam's square root here is not MKL's (sqrt_mode {kernel.sqrt_mode()!r})")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        before = _mkl_max_threads()
+        n = 2 * kernel.PER_THREAD + 37  # two kernel threads
+        torch.manual_seed(0)
+        ref = [torch.randn(n)]
+        mine = [ref[0].clone()]
+        o_ref, o_mine = torch.optim.AdamW(ref, lr=1e-2), torch.optim.AdamW(mine, lr=1e-2)
+        for step in range(3):
+            g = torch.randn(n)
+            ref[0].grad, mine[0].grad = g.clone(), g.clone()
+            o_ref.step()
+            if step == 0:
+                o_mine.step()  # the optimizer state, as the plain step makes it
+                continue
+            _kernel_step(o_mine, mine, [mine[0].grad], [None], 1.0, 2)
+            assert same_bits(mine[0], ref[0]), f"step {step}"
+        assert _mkl_max_threads() == before == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernel
