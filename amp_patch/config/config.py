@@ -257,7 +257,7 @@ class AmpConfig:
     @property
     def level_fields(self) -> Tuple[object, ...]:
         """What every ``initialize`` of one session must agree on."""
-        return tuple(self.get(n) for n in scoped("level"))
+        return tuple(self.get(n) for n in LEVEL_WIDE)
 
     def same_level(self, other: "AmpConfig") -> bool:
         """True when ``other`` asks for the same opt-level properties (Apex's)."""
@@ -309,6 +309,7 @@ OPTIONS: Tuple[str, ...] = ("half_dtype",) + OVERRIDES + tuple(
     if n not in OVERRIDES and n not in ("opt_level", "half_dtype"))
 #: amp_patch's own options (not Apex's properties)
 EXTRA_OPTIONS: Tuple[str, ...] = tuple(n for n in OPTIONS if n not in OVERRIDES and n != "half_dtype")
+LEVEL_WIDE: Tuple[str, ...] = scoped("level")
 SESSION_WIDE: Tuple[str, ...] = scoped("session")
 PER_CALL: Tuple[str, ...] = scoped("call")
 
@@ -383,9 +384,7 @@ def parse(
         half = torch.bfloat16
     else:
         half = default_half_dtype(device_type)
-    if cmt == "float32":
-        cmt = torch.float32
-    elif cmt == HALF:
+    if cmt == HALF:
         cmt = half
 
     flags = {k: parse_bool(given[k], named(k)) if k in given else getattr(preset, k)
@@ -414,8 +413,6 @@ def parse(
 
 def _lists(value: object) -> Lists:
     """Op-list overrides as a tuple of sources (a path, a dict, or a list of them)."""
-    if value is None:
-        return None
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 

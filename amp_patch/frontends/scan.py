@@ -8,7 +8,7 @@ local names; so does an assignment of an Apex expression
 (``scaler = amp._amp_state.loss_scalers[0]``, ``opt = FusedAdam(...)``).
 Every use of those names is one chain of attributes, subscripts and calls
 (``amp._amp_state.loss_scalers[0]._overflow_buf``), and every step of it is
-looked up in the stand-in the apex alias would serve (``alias.STANDINS``):
+looked up in the stand-in the apex alias would serve (``apex.standins.STANDINS``):
 
 * an attribute must exist on the object, or on the class of an instance
   (class attributes, methods, properties, and what its methods assign to

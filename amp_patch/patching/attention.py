@@ -67,6 +67,7 @@ Key = Tuple[int, int, int, bool, bool, torch.dtype, int]
 #: checkpoint); None where the FP32 kernel refused the class
 _chosen: Dict[Key, Optional[Tuple[bool, Optional[float], Optional[float]]]] = {}
 _lock = threading.Lock()
+_UNSEEN = object()  # a class not measured yet (None in _chosen: measured, the FP32 kernel refused it)
 
 
 #: FP32 elements of one tensor in one kernel call: the batch is taken in slices
@@ -167,7 +168,7 @@ def _parse(args: tuple, kwargs: Optional[dict]) -> Optional[Call]:
         return None
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or k.shape[1] == 0:
         return None
-    opts = dict(zip(_ARGS, args[3:]))
+    opts = dict(zip(_ARGS, args[3:])) if len(args) > 3 else {}
     if kwargs:
         if any(name not in _ARGS or name in opts for name in kwargs):
             return None
@@ -236,7 +237,8 @@ def fp32_wins(lq: int, lk: int, head: int, causal: bool, masked: bool, dt: torch
     """Whether attention of this shape class runs faster in FP32 than in ``dt``
     here (measured on first sight, then remembered for the process)."""
     key = (_bucket(min(lq, LONGEST)), _bucket(min(lk, LONGEST)), head, causal, masked, dt, torch.get_num_threads())
-    if key not in _chosen:
+    found = _chosen.get(key, _UNSEEN)
+    if found is _UNSEEN:
         with _lock:
             if key not in _chosen:
                 found = _chosen[key] = _measure(key, original)
@@ -246,7 +248,7 @@ def fp32_wins(lq: int, lk: int, head: int, causal: bool, masked: bool, dt: torch
                              "(forward and backward: %.2f ms in %s, %.2f ms in float32)",
                              key[0], key[1], head, ", causal" if causal else "",
                              "float32" if found[0] else name, found[1], name, found[2])
-    found = _chosen[key]
+            found = _chosen[key]
     return found is not None and found[0]
 
 

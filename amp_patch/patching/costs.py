@@ -11,18 +11,20 @@ FP32 and in the half dtype, casts of its input and output included, and the
 threshold is the size where half starts to win. ``cast_policy="parity"``, the
 default, keeps autocast's behaviour.
 
-Only ops whose work can be read from their arguments take part (``FLOPS``);
-the rest of the half list casts as always. The decision is per call, from the
-shapes: a few attribute reads on the call that would otherwise cast. With
-``collect_stats=True`` the op ledger counts the calls kept in FP32 and says why.
+Only ops whose work can be read from their arguments take part (``FLOPS``),
+and attention (``AutoAttention``: its shape class measured once in each dtype,
+``attention.py``); the rest of the half list casts as always. The decision is
+per call, from the shapes: for a matmul a few attribute reads on the call that
+would otherwise cast, for attention a parse of its arguments and a table
+look-up (on a call of milliseconds). With ``collect_stats=True`` the op ledger
+counts the calls kept in FP32 and says why.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import math
-import time
-from typing import Any, Callable, Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -105,11 +107,7 @@ class Auto:
         n = self.flops(args)
         if n is None or n >= self.min_flops:
             return to
-        # FP32: a half input (another op's output) is cast up, FP32 ones stay as they are
-        for a in args:
-            if isinstance(a, Tensor) and a.dtype in LOW:
-                return f32
-        return None
+        return _kept_fp32(args)
 
     def why(self, args: tuple, kwargs: Optional[dict]) -> str:
         """The ledger's reason for a call kept in FP32 ("" for one that was not)."""
@@ -130,18 +128,25 @@ class AutoAttention:
         self.plan, self.original, self.half = plan, original, half
 
     def __call__(self, args: tuple, kwargs: Optional[dict]) -> Optional[torch.dtype]:
-        # None from the half planner: the inputs are half already (another half op's outputs)
-        to = self.plan(args, kwargs)
-        if (kwargs and "out" in kwargs) or not attention.keeps_fp32(self.original, args, kwargs, self.half):
-            return to
-        # FP32: half inputs are cast up, FP32 ones stay as they are
-        return f32 if any(isinstance(a, Tensor) and a.dtype in LOW for a in args[:4]) else None
+        # (attention has no out=, and a keyword the FP32 kernel does not know keeps the half planner's answer)
+        if attention.keeps_fp32(self.original, args, kwargs, self.half):
+            return _kept_fp32(args)
+        return self.plan(args, kwargs)
 
     def why(self, args: tuple, kwargs: Optional[dict]) -> str:
         """The ledger's reason for a call kept in FP32 ("" for one that was not)."""
-        if (kwargs and "out" in kwargs) or not attention.keeps_fp32(self.original, args, kwargs, self.half):
+        if not attention.keeps_fp32(self.original, args, kwargs, self.half):
             return ""
         return "attention measured faster in float32 here (cast_policy='auto')"
+
+
+def _kept_fp32(args: tuple) -> Optional[torch.dtype]:
+    """The cast of a call kept in FP32: a half input (another op's output) is cast
+    up, FP32 ones stay as they are (None: nothing to cast)."""
+    for a in args:
+        if isinstance(a, Tensor) and a.dtype in LOW:
+            return f32
+    return None
 
 
 def auto_plan(plan: Callable, qualname: str, original: Callable, half: torch.dtype,
@@ -162,15 +167,6 @@ def _flops_text(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} FLOP"
-
-
-def _time(fn: Callable[[], Any], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,8 +193,7 @@ def threshold(half: torch.dtype, device_type: str = "cpu", threads: int = 0) -> 
             w = torch.randn(n, n, generator=g)
             wh = w.to(half)
             reps = max(3, min(50, int(2e7 / n**3)))
-            fp32 = _time(lambda: F.linear(x, w), reps)
-            low = _time(lambda: F.linear(x.to(half), wh).float(), reps)
+            fp32, low = attention.time_pair(lambda: F.linear(x, w), lambda: F.linear(x.to(half), wh).float(), reps)
             wins.append(low < fp32)
             if len(wins) >= 2 and wins[-1] and wins[-2]:
                 break

@@ -10,7 +10,9 @@ Where the C fast path is built (``_fastpath.c``, see the end of this module),
 ``make_wrapper`` returns its wrapt subclasses for the ``half``, ``float`` and
 ``promote`` policies: their call does the common case (positional arguments,
 casting on, no container) in C, with the same decisions, and hands any other
-call to the Python wrapper below through wrapt, unchanged.
+call to the Python wrapper below through wrapt, unchanged. (Attention under
+``cast_policy="auto"`` is the exception: its planner parses the call and
+looks up a measured choice, so it has the Python wrapper alone.)
 
 A Tensor method's wrapper receives its receiver as ``args[0]`` (see
 ``MethodWrapper``) and calls the unbound original, so casting the receiver is

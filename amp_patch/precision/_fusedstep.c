@@ -543,10 +543,11 @@ enum { OP_SGD = 0, OP_ADAM = 1, OP_CHECK = 2, OP_ABSORB = 3 };
    exactly what torch.sqrt gives (set_sqrt); NULL: the CPU's correctly rounded one */
 typedef void (*sqrt_fn)(int n, const float *x, float *r);
 static sqrt_fn g_sqrt = NULL;
-/* MKL's MKL_Set_Num_Threads_Local (mkl_set_num_threads_local in its C header), where g_sqrt is MKL's: each thread of this kernel makes
-   MKL sequential while it runs. Otherwise, after torch.set_num_threads(n), every sqrt call
-   from these threads starts an OpenMP team of its own (n threads each, on a machine the
-   kernel's threads already fill): measured 3x slower than sequential on 2 cores. */
+/* MKL's MKL_Set_Num_Threads_Local (mkl_set_num_threads_local in its C header), where
+   g_sqrt is MKL's: each thread of this kernel makes MKL sequential while it runs.
+   Otherwise, after torch.set_num_threads(n), every sqrt call from these threads starts
+   an OpenMP team of its own (n threads each, on a machine the kernel's threads already
+   fill): measured 3x slower than sequential on 2 cores. */
 typedef int (*local_threads_fn)(int n);
 static local_threads_fn g_local_threads = NULL;
 

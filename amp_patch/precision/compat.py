@@ -14,13 +14,11 @@ from __future__ import annotations
 import sys
 from typing import List, Sequence, Tuple
 
-import torch
 from torch import nn
 
 from ..base.errors import ConfigError
 from ..config import AmpConfig
-
-_LOW = (torch.float16, torch.bfloat16)
+from ..patching.cast import LOW
 
 
 def fsdp_wrapped(model: nn.Module) -> List[Tuple[str, str]]:
@@ -47,7 +45,7 @@ def check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
     Raises:
         ConfigError: naming the model, the wrapped module and what to use.
     """
-    if config.cast_model_type not in _LOW and not config.master_weights:
+    if config.cast_model_type not in LOW and not config.master_weights:
         return
     half = str(config.cast_model_type).replace("torch.", "")
     for i, m in enumerate(models):

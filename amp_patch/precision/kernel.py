@@ -73,7 +73,6 @@ except ImportError as exc:  # no compiler at install: the plain step
 
 #: the gradient / half-weight dtypes the kernel reads and writes, and their codes in _fusedstep.c
 KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-_CPU = torch.device("cpu")
 _FLAGS = ("foreach", "fused", "capturable", "differentiable")
 SGD, ADAM, ADAMW = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
 
@@ -168,10 +167,9 @@ class Entry(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """One step's work: per param group ``(entries, halfs)``; ``device`` is the CPU."""
+    """One step's work: per param group ``(entries, halfs)``."""
 
     groups: List[Tuple[List[Entry], List[Tensor]]]
-    device: torch.device = _CPU
 
 
 _STRIDED = torch.strided
@@ -181,10 +179,16 @@ _NO_STATE = (None, None, None, None)
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def _ok(t: Tensor, n: int) -> bool:
-    """A plain, dense, contiguous CPU tensor of ``n`` elements. (Read on every parameter
-    at every step: ``is_cpu`` costs a sixth of building ``t.device``.)"""
-    return type(t) in _PLAIN and t.is_cpu and t.layout is _STRIDED and t.is_contiguous() and t.numel() == n
+def _plain(t: Tensor) -> bool:
+    """A plain, dense, contiguous CPU tensor: memory the kernel can read and write by
+    address. (Read per parameter at every step and per gradient in a backward:
+    ``is_cpu`` costs a sixth of building ``t.device``.)"""
+    return type(t) in _PLAIN and t.is_cpu and t.layout is _STRIDED and t.is_contiguous()
+
+
+def dense(t: Tensor, n: int) -> bool:
+    """``_plain`` with ``n`` elements."""
+    return _plain(t) and t.numel() == n
 
 
 #: elements of work for each thread the kernel starts beyond the calling one: it
@@ -211,8 +215,7 @@ WRITE, ADD, ZERO_ADD = 0, 1, 2
 
 def absorbable(g: Tensor) -> bool:
     """A half gradient ``absorb`` takes: dense, contiguous, on the CPU, out of any graph."""
-    return (g.dtype in KINDS and g.dtype is not f32 and g.layout is torch.strided and not g.requires_grad
-            and g.device.type == "cpu" and g.is_contiguous())
+    return g.dtype in KINDS and g.dtype is not f32 and not g.requires_grad and _plain(g)
 
 
 def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: float, found: int) -> None:
@@ -271,10 +274,10 @@ class KernelStep:
                 if g is None:
                     continue
                 n = p.numel()
-                if p.dtype is not f32 or g.dtype not in KINDS or not _ok(p, n) or not _ok(g, n):
+                if p.dtype is not f32 or g.dtype not in KINDS or not dense(p, n) or not dense(g, n):
                     return None
                 if h is not None:
-                    if h.dtype not in KINDS or not _ok(h, n):
+                    if h.dtype not in KINDS or not dense(h, n):
                         return None
                     halfs.append(h)
                 state = self._state(state_of.get(p), group, n)
@@ -304,7 +307,7 @@ class KernelStep:
             a = s.get("momentum_buffer") if s else None
             if a is None:
                 return None
-            return (a, None, None, None) if a.dtype is f32 and _ok(a, n) else False
+            return (a, None, None, None) if a.dtype is f32 and dense(a, n) else False
         if not s:
             return None if _get_scalar_dtype() == f32 else False
         amsgrad = group["amsgrad"]
@@ -312,9 +315,9 @@ class KernelStep:
             return False
         a, b, step = s["exp_avg"], s["exp_avg_sq"], s["step"]
         c = s["max_exp_avg_sq"] if amsgrad else None
-        if not isinstance(step, Tensor) or step.dtype != f32 or not _ok(step, 1):
+        if not isinstance(step, Tensor) or step.dtype != f32 or not dense(step, 1):
             return False
-        if any(t.dtype != f32 or not _ok(t, n) for t in (a, b) + ((c,) if amsgrad else ())):
+        if any(t.dtype != f32 or not dense(t, n) for t in (a, b) + ((c,) if amsgrad else ())):
             return False
         return (a, b, c, step)
 

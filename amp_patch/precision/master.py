@@ -197,12 +197,10 @@ class MasterWeights:
             dst, mode = m.grad, kernel.ADD
             if dst is None:
                 dst, mode = self.grads[i], kernel.ZERO_ADD  # as adding into a zeroed buffer
-            elif dst.dtype is not f32 or dst.layout is not torch.strided or dst.device.type != "cpu":
-                return  # a gradient user code put there: collect_grads adds to it
         else:
             dst, mode = self.grads[i], kernel.WRITE
-        if dst is None or not dst.is_contiguous() or dst.numel() != m.numel():
-            return
+        if dst is None or dst.dtype is not f32 or not kernel.dense(dst, m.numel()):
+            return  # no buffer yet, or a gradient user code put there: collect_grads takes it
         kernel.absorb([(dst, g, mode)], *self.armed)  # type: ignore[misc]
         if mode != kernel.ADD:
             m.grad = dst
@@ -285,7 +283,7 @@ class MasterWeights:
                 return False
             inv, found = cpu_args()
         moves = [(b, self.halfs[i].grad, kernel.WRITE) for i, b in zip(idx, bufs)]
-        if not all(kernel.absorbable(g) and b.is_contiguous() and g.numel() == b.numel() for b, g, _ in moves):
+        if not all(kernel.absorbable(g) and kernel.dense(b, g.numel()) for b, g, _ in moves):
             return False
         kernel.absorb(moves, inv, found)
         return True

@@ -163,6 +163,12 @@ class Plan:
     #: the session ``apply`` made or joined
     session: Optional[Session] = None
 
+    @property
+    def wrappers(self) -> List[object]:
+        """The given optimizers that wrap one this call attaches (Apex's ``LARC``)."""
+        inner = optimizers_side.inner_optimizer
+        return [w for w in self.given.optimizers if inner(w) is not w and any(inner(w) is o for o in self.optimizers)]
+
     @classmethod
     def build(cls, given: Given, config: AmpConfig, current: Optional[Session], *, apex_rules: bool = False,
               registrations: Sequence[Registration] = ()) -> "Plan":
@@ -230,17 +236,17 @@ class Plan:
                 running.set_session(amp)
             elif self.apex_rules:
                 scaling_state.restart(amp, self.config)
-                items = function_items(amp, self.registrations)
-                if items and not len(amp.patcher):
+                if not len(amp.patcher):
                     # _amp_state.handle._deactivate() took the patches off; Apex's
                     # next amp.initialize patched again, and so does this one
-                    amp.patch(items)
+                    items = function_items(amp, self.registrations)
+                    if items:
+                        amp.patch(items)
             originals = model_side.attach(amp, self.models, self.config)
             built = optimizers_side.attach(amp, self.models, self.optimizers, originals, self.config)
             flight.watch(amp, self.models)
             optimizer_scaling.attach(amp, self.optimizers, built)
-            optimizer_scaling.attach_wrappers(
-                amp, [w for w in self.given.optimizers if any(getattr(w, "optim", None) is o for o in self.optimizers)])
+            optimizer_scaling.attach_wrappers(amp, self.wrappers)
             amp.extend(amp.models, self.models)
             amp.extend(amp.optimizers, self.optimizers)
             if fresh:
@@ -340,7 +346,7 @@ def _farewell(old: Session, config: AmpConfig) -> str:
     """What an ``amp.initialize`` with other settings does to the run it ends, in one warning."""
     was = old.config
     lost = []
-    if was.cast_model_type in (torch.float16, torch.bfloat16):
+    if was.cast_model_type in LOW:
         lost.append(f"its {len(old.models)} model(s) are FP32 again")
     if was.patch_torch_functions:
         lost.append("torch functions are no longer cast for them")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import logging
 import re
 import sys
 import types
@@ -142,26 +141,16 @@ def static_verdict(name):
 
 
 @pytest.fixture
-def alias_run(monkeypatch, caplog):
+def alias_run(apex_alias, monkeypatch):
     """The alias installed (no apex anywhere before or after) and an O1 run
     going, so chains through ``amp._amp_state`` read a live session."""
-    monkeypatch.setattr(alias, "_announced", False)
     monkeypatch.setattr(amp_patch_amp, "_enabled", None)
-    caplog.set_level(logging.ERROR, logger="amp_patch")
-    saved_meta = list(sys.meta_path)
-    for name in [m for m in sys.modules if m == "apex" or m.startswith("apex.") or m in alias.EXTENSIONS]:
-        monkeypatch.delitem(sys.modules, name)
-    amp_patch.install_apex_alias()
     model = nn.Linear(3, 2)
     amp_patch_amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1",
                              half_dtype=torch.float16, verbosity=0)
     yield
     amp_patch.deinitialize()
     amp_patch_amp.lists.reset()
-    alias.remove_apex_alias()
-    for name in [m for m in sys.modules if m == "apex" or m.startswith("apex.")]:
-        del sys.modules[name]
-    sys.meta_path[:] = saved_meta
 
 
 def test_the_census_is_real_code_from_many_repos_and_years():

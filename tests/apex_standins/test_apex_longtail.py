@@ -5,7 +5,6 @@ each against a hand-written reference of the formula Apex's source computes."""
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 import sys
 
@@ -32,7 +31,7 @@ from amp_patch.apex.mlp import MLP
 from amp_patch.apex.normalization import fused_layer_norm as N
 from amp_patch.apex.optimizers import FP16_Optimizer, FusedAdam
 from amp_patch.apex.reparameterization import apply_weight_norm, remove_weight_norm
-from amp_patch.frontends import alias, scan
+from amp_patch.frontends import scan
 from helpers import case_results, mlp, run_workers, serve_cases
 
 f32 = torch.float32
@@ -71,21 +70,6 @@ UNSERVED = {"apex.transformer": "tensor.parallel", "apex.transformer.tensor_para
             "apex.RNN": "nn.LSTM", "apex.contrib.fmha": "scaled_dot_product_attention",
             "apex.contrib.multihead_attn": "MultiheadAttention", "apex.contrib.sparsity": "torch.ao.pruning",
             "apex.amp.opt": "public API", "syncbn": "SyncBatchNorm", "fused_dense_cuda": "nn.Linear"}
-
-
-@pytest.fixture
-def apex_alias(monkeypatch, caplog):
-    monkeypatch.setattr(alias, "_announced", False)
-    caplog.set_level(logging.ERROR, logger="amp_patch")
-    saved = list(sys.meta_path)
-    for name in [m for m in sys.modules if m == "apex" or m.startswith("apex.") or m in alias.EXTENSIONS]:
-        monkeypatch.delitem(sys.modules, name)
-    amp_patch.install_apex_alias()
-    yield
-    alias.remove_apex_alias()
-    for name in [m for m in sys.modules if m == "apex" or m.startswith("apex.")]:
-        del sys.modules[name]
-    sys.meta_path[:] = saved
 
 
 @pytest.mark.parametrize("path", SERVED_PATHS)

@@ -671,13 +671,19 @@ def test_fp16_policy_matches_cuda_autocast(group, o1):
             cargs, ckwargs = hand_cast(ins, cuda_dtype_for(ref_policy, *ins))
             expected[form, v] = run(lambda: original(*cargs, **ckwargs), None).dtypes()
     o1(f16)
+    assert_patched_gives(expected, inputs,
+                         lambda form: f"CUDA autocast ({CUDA_POLICY[aten_name(form)]} for aten::{aten_name(form)})")
+
+
+def assert_patched_gives(expected, inputs, reference):
+    """Each patched op's output dtypes on ``inputs[form, variant]`` are ``expected[form, variant]``;
+    the message lists every op that disagrees with ``reference(form)`` (what the expectation came from)."""
     wrong = []
     for (form, v), want in expected.items():
         args, kwargs = inputs[form, v]
         got = run(lambda: call_patched(form, args, kwargs), None).dtypes()
         if got != want:
-            wrong.append(f"{short(form)} ({v} inputs): amp_patch gives {got}, CUDA autocast "
-                         f"({CUDA_POLICY[aten_name(form)]} for aten::{aten_name(form)}) gives {want}")
+            wrong.append(f"{short(form)} ({v} inputs): amp_patch gives {got}, {reference(form)} gives {want}")
     assert not wrong, "fix these entries in lists/:\n  " + "\n  ".join(wrong)
 
 
@@ -708,14 +714,7 @@ def test_bf16_policy_matches_cpu_autocast(group, o1):
 
             expected[form, v] = run(under_autocast, None).dtypes()
     o1(bf16)
-    wrong = []
-    for (form, v), want in expected.items():
-        args, kwargs = inputs[form, v]
-        got = run(lambda: call_patched(form, args, kwargs), None).dtypes()
-        if got != want:
-            wrong.append(f"{short(form)} ({v} inputs): amp_patch gives {got}, "
-                         f"torch.autocast('cpu', bfloat16) gives {want}")
-    assert not wrong, "fix these entries in lists/:\n  " + "\n  ".join(wrong)
+    assert_patched_gives(expected, inputs, lambda form: "torch.autocast('cpu', bfloat16)")
 
 
 #: forms CPU autocast has no kernel for but whose inner ops it casts (mm, bmm,

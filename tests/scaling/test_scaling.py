@@ -560,11 +560,8 @@ def test_calls_in_the_wrong_order_raise_state_errors(monkeypatch):
 def test_deinitialize_leaves_true_gradients_and_the_optimizer_as_it_was():
     model, ref = Scale(), Scale()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp_patch.initialize(model, opt, "O1", **FP16)
-    try:
+    with amp(model, opt, "O1", **FP16):
         loss_of(model, 0).backward()
-    finally:
-        amp_patch.deinitialize()
     loss_of(ref, 0).backward()
     assert same([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
     assert "step" not in vars(opt) and "zero_grad" not in vars(opt)
@@ -575,8 +572,7 @@ def test_deinitialize_leaves_true_gradients_and_the_optimizer_as_it_was():
 
 @pytest.mark.parametrize("models", [None, []])
 def test_initialize_without_a_model_then_adopt_an_optimizer(models):
-    out = amp_patch.initialize(models, None, "O1", **FP16)
-    try:
+    with amp(models, None, "O1", **FP16) as out:
         assert out == models
         model = Scale()
         opt = amp_patch.adopt_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -586,8 +582,6 @@ def test_initialize_without_a_model_then_adopt_an_optimizer(models):
         opt.step()
         assert same(before, params(model))
         assert amp_patch.counters()["skipped"] == 1
-    finally:
-        amp_patch.deinitialize()
     assert "step" not in vars(opt)
 
 
@@ -666,8 +660,7 @@ def test_each_optimizer_moves_through_the_documented_stages_and_an_illegal_move_
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp_patch.initialize(model, opt, "O1", half_dtype=torch.float16, loss_scale=128.0, verbosity=0)
-    try:
+    with amp(model, opt, "O1", half_dtype=torch.float16, loss_scale=128.0):
         h = amp_patch.base.running.session().optimizer_handles[id(opt)]
         assert h.stage is Stage.READY
         x = torch.randn(3, 4)
@@ -689,8 +682,6 @@ def test_each_optimizer_moves_through_the_documented_stages_and_an_illegal_move_
         with pytest.raises(StateError, match=r"SGD's gradients cannot go from ready to unscaled; this is a bug"):
             h.move(Stage.UNSCALED)
         assert h.stage is Stage.READY
-    finally:
-        amp_patch.deinitialize()
 
 
 class _Bag(torch.nn.Module):
@@ -715,8 +706,7 @@ IDX = torch.tensor([[1, 2], [2, 3], [2, 7]])  # index 2 three times: duplicates 
 def test_sparse_gradients_are_unscaled_checked_and_stepped_as_torch_would(level, half):
     model = _Bag()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp_patch.initialize(model, opt, level, half_dtype=half, loss_scale=128.0 if half == torch.float16 else None, verbosity=0)
-    try:
+    with amp(model, opt, level, half_dtype=half, loss_scale=128.0 if half == torch.float16 else None):
         before = model.state_dict()["emb.weight"].clone()
         loss = model(IDX)
         (true,) = torch.autograd.grad(loss, [model.emb.weight], retain_graph=True)  # unscaled
@@ -726,31 +716,25 @@ def test_sparse_gradients_are_unscaled_checked_and_stepped_as_torch_would(level,
         want = before - 0.1 * true.float().to_dense()
         torch.testing.assert_close(model.state_dict()["emb.weight"], want, rtol=0, atol=1e-6)
         assert model.emb.weight.dtype == (half if level == "O2" else torch.float32)
-    finally:
-        amp_patch.deinitialize()
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_an_overflow_in_a_sparse_gradient_skips_the_step(level):
     model = _Bag()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp_patch.initialize(model, opt, level, half_dtype=torch.float16, verbosity=0)
-    try:
+    with amp(model, opt, level, half_dtype=torch.float16):
         before = {k: v.clone() for k, v in model.state_dict().items()}
         (model(IDX) * 1e38).backward()
         opt.step()
         assert amp_patch.counters()["optimizers"][0]["skipped"] == 1
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    finally:
-        amp_patch.deinitialize()
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_complex_parameters_get_true_gradients_under_fp16_loss_scaling(level):
     model = _Bag(sparse=False, complex_param=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp_patch.initialize(model, opt, level, half_dtype=torch.float16, loss_scale=128.0, verbosity=0)
-    try:
+    with amp(model, opt, level, half_dtype=torch.float16, loss_scale=128.0):
         c0 = model.c.detach().clone()
         loss = model(IDX)
         (true,) = torch.autograd.grad(loss, [model.c], retain_graph=True)
@@ -758,5 +742,3 @@ def test_complex_parameters_get_true_gradients_under_fp16_loss_scaling(level):
         opt.step()
         assert model.c.dtype == torch.complex64
         torch.testing.assert_close(model.c.detach(), c0 - 0.1 * true, rtol=0, atol=1e-6)
-    finally:
-        amp_patch.deinitialize()

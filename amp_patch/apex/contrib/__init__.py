@@ -6,5 +6,5 @@ Served: ``clip_grad`` (``clip_grad_norm_``), ``xentropy``
 ``distributed_fused_adam.DistributedFusedAdam``) and ``group_norm``
 (``GroupNorm``). The rest of ``apex.contrib`` (fused attention, sparsity,
 transducer, ...) is not served: importing it names the torch replacement
-(``amp_patch.frontends.alias.REPLACEMENTS``).
+(``amp_patch.apex.standins.REPLACEMENTS``).
 """

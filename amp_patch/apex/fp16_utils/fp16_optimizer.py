@@ -522,4 +522,3 @@ class FP16_Optimizer(ForwardsToOptimizer):
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
         self.loss_scaler.scale = float(value)
-

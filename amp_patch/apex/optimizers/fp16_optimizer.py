@@ -193,7 +193,6 @@ class FP16_Optimizer(ForwardsToOptimizer):
                 self.cur_scale *= self.scale_factor
         self.cur_iter += 1
 
-
     def state_dict(self) -> Dict[str, Any]:
         """Apex's checkpoint: the scaler's fields, ``optimizer_state_dict`` and the FP32 masters."""
         sd: Dict[str, Any] = {"dynamic_loss_scale": self.dynamic_loss_scale, "cur_scale": self.cur_scale,
