@@ -81,7 +81,12 @@ def initialize(
               patterns or a filter kept FP32 at O2/O3/O5), ``save_dtype``
               (the dtype ``state_dict()`` saves), ``fused_update`` (O2/O5:
               the compiled one-pass step where the default one-pass C step,
-              ``amp_patch.precision.kernel``, cannot go), ``enabled``
+              ``amp_patch.precision.kernel``, cannot go), ``model_grads``
+              (O2/O5, default True: after a backward each model parameter's
+              ``.grad`` reads its true gradient in the half dtype, and edits
+              there reach the step; False moves half gradients into the FP32
+              masters as autograd finishes them and leaves the model's
+              ``.grad`` None, which saves their memory), ``enabled``
               (apex.amp's: False hands everything back unchanged),
               ``allow_half_params`` (O1/O4: step FP16/BF16 parameters as
               they are).

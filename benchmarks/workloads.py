@@ -221,16 +221,18 @@ def build(name: str, gpu: bool = False, scale: float = 1.0, nbatches: int = 4) -
     raise ValueError(f"unknown workload {name!r}; use simplenet, transformer, convnet, smallops, gpt or resnet")
 
 
-MODES = ("fp32", "autocast", "O1", "O1-auto", "O2", "O2-parity", "O2-plain", "O2-fused", "O3")
+MODES = ("fp32", "autocast", "O1", "O1-auto", "O2", "O2-absorb", "O2-parity", "O2-plain", "O2-fused", "O3")
 #: the amp_patch modes: opt level and extra ``initialize`` options. O2 is the default
 #: (the one-pass C step where it is built); O2-plain leaves that kernel out, as where
 #: no compiler was at install (the O2 of before issue 25); O2-fused is fused_update=True;
 #: O1-auto is O1 with cast_policy="auto" (small matmuls stay FP32); O2-parity is O2
-#: with cast_policy="parity" (attention in the half dtype, as before O2's default became "auto").
+#: with cast_policy="parity" (attention in the half dtype, as before O2's default became "auto");
+#: O2-absorb is model_grads=False (half gradients move into the masters as they arrive, the
+#: model's .grad stays None: the backward's peak memory without the half gradients).
 #: NVIDIA Apex's own apex.amp, where an Apex checkout is importable (``PYTHONPATH``)
 APEX_MODES = ("apex-O1", "apex-O2")
 AMP_MODES = {"O1": ("O1", {}), "O1-auto": ("O1", {"cast_policy": "auto"}), "O2": ("O2", {}), "O2-parity": ("O2", {"cast_policy": "parity"}), "O2-plain": ("O2", {}), "O2-fused": ("O2", {"fused_update": True}),
-             "O3": ("O3", {})}
+             "O2-absorb": ("O2", {"model_grads": False}), "O3": ("O3", {})}
 
 
 class Runner:

@@ -17,7 +17,7 @@ the session's rules read them from:
   provenance, verbosity, the cast policy, the op lists. The first
   ``initialize`` sets them; a later call that names a different value is
   refused with the difference (leaving one out keeps the running value).
-- ``"call"``: ``keep_fp32``, ``save_dtype``, ``fused_update``, ``enabled``,
+- ``"call"``: ``keep_fp32``, ``save_dtype``, ``fused_update``, ``model_grads``, ``enabled``,
   ``allow_half_params``: they apply to the models and optimizers of the call
   that gives them.
 """
@@ -217,6 +217,9 @@ class AmpConfig:
     keep_fp32: KeepFP32 = _scope("call")
     save_dtype: torch.dtype = _scope("call", torch.float32)
     fused_update: bool = _scope("call", False)
+    #: O2/O5: after a backward the model's ``.grad`` reads each true gradient in the
+    #: half dtype; False moves half gradients into the masters as they arrive instead
+    model_grads: bool = _scope("call", True)
     enabled: bool = _scope("call", True)
     #: O1/O4: accept FP16/BF16 parameters in the optimizer and step them as they
     #: are (Apex's ``_amp_state.allow_incoming_model_not_fp32``)
@@ -225,7 +228,7 @@ class AmpConfig:
     given: FrozenSet[str] = dataclasses.field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("collect_stats", "find_overflow", "fused_update", "enabled", "allow_half_params"):
+        for name in ("collect_stats", "find_overflow", "fused_update", "model_grads", "enabled", "allow_half_params"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"initialize: {name}={getattr(self, name)!r} must be True or False")
         v = self.verbosity

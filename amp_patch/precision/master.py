@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 import torch
 
 from ..patching.cast import LOW
-from . import kernel
+from . import kernel, writes
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -62,8 +62,14 @@ class MasterWeights:
     persistent gradient buffer (allocated on first use).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, model_grads: bool = False):
         self.optimizer = optimizer
+        #: after each backward the model's ``.grad`` reads each master's true gradient, in the
+        #: half dtype (``mirror``), and edits made there reach the step (``take_model_grads``);
+        #: False: half gradients move into the masters and the model's ``.grad`` stays None
+        self.model_grads = model_grads
+        #: per parameter, (the half gradient ``mirror`` wrote, its version after the write), or None
+        self.mirrors: List[Optional[Tuple[Tensor, int]]] = []
         self.halfs: List[Tensor] = []
         self.masters: List[Tensor] = []
         self.grads: List[Optional[Tensor]] = []
@@ -75,8 +81,9 @@ class MasterWeights:
         #: since the last step: a master its backward does not reach then steps on
         #: zeros, as an FP32 parameter would, instead of being skipped
         self.zeroed = False
-        #: each master's version counter at the last sync, once state_dict handed out views
-        self.versions: Optional[List[int]] = None
+        #: each master's version counter when it was last copied into the half model: a write
+        #: through a ``state_dict()`` view or ``master_params`` reaches the model (``sync_written``)
+        self.versions: List[int] = []
         #: the half gradients stay in the model as DDP's running sum (``collect_grads(keep_half=True)``)
         self.kept_half = False
         #: (inverse scale, address of the FP32 inf/NaN flag or 0) while a backward moves each half
@@ -86,35 +93,37 @@ class MasterWeights:
         self.absorbed: Set[int] = set()
         #: one post-accumulate-grad hook handle per half parameter (None: it needs no gradient)
         self.hooks: List["RemovableHandle"] = []
+        #: ids of half parameters whose ``.data`` was read or replaced since the last look (``writes``)
+        self.touched: Set[int] = set()
+        #: each half parameter's version counter when the masters were last copied into it
+        self.half_versions: List[int] = []
 
     def __len__(self) -> int:
         return len(self.halfs)
 
     # ------------------------------------------------------------ writes through state_dict
 
-    def watch(self) -> None:
-        """``model.state_dict()`` handed out views of the masters: from now on a
-        write into one (``sd[k].copy_(v)``, as plain torch allows) reaches the
-        half model before its next forward (``sync_written``)."""
-        if self.versions is None:
-            self.versions = [m._version for m in self.masters]
-
     @torch.no_grad()
     def sync_written(self) -> None:
-        """Copy every master written since the last look into its half parameter."""
-        versions = self.versions
-        if versions is None:
-            return
+        """Copy every master written since the last look (a ``state_dict()`` view's
+        ``copy_``, an edit through ``master_params``, its ``.data``) into its half
+        parameter: run before each forward of a converted model."""
+        versions, touched = self.versions, self.touched
         for i, m in enumerate(self.masters):
             v = m._version
-            if v != versions[i]:
-                self.halfs[i].copy_(m)
+            if v != versions[i] or (touched and id(m) in touched):
+                h = self.halfs[i]
+                h.copy_(m)
                 versions[i] = v
+                self.half_versions[i] = h._version
+                touched.discard(id(m))
 
     # ------------------------------------------------------------ building
 
-    def adopt(self, group: Dict[str, Any], originals: Dict[int, Tuple[Tensor, Optional[Tensor], torch.dtype]]) -> None:
-        """Put masters in place of the half parameters of one param group."""
+    def adopt(self, group: Dict[str, Any], originals: Dict[int, Tuple[Tensor, Optional[Tensor], torch.dtype]],
+              dtypes: Optional[Dict[int, torch.dtype]] = None) -> None:
+        """Put masters in place of the half parameters of one param group (``dtypes``:
+        the dtype before ``initialize`` of a parameter ``originals`` lacks, by id)."""
         opt = self.optimizer
         params = group["params"]
         for j, p in enumerate(params):
@@ -125,7 +134,7 @@ class MasterWeights:
                 data, grad, dtype = orig
                 data = data if data.dtype == f32 else data.float()
             else:  # half before initialize, or added after it: upcast (exact)
-                data, grad, dtype = p.detach().float(), None, p.dtype
+                data, grad, dtype = p.detach().float(), None, (dtypes or {}).get(id(p), p.dtype)
             master = torch.nn.Parameter(data, requires_grad=p.requires_grad)
             if grad is not None:
                 master.grad = grad if grad.dtype == f32 else grad.float()
@@ -137,6 +146,11 @@ class MasterWeights:
             self.masters.append(master)
             self.grads.append(master.grad)
             self.dtypes.append(dtype)
+            self.mirrors.append(None)
+            self.half_versions.append(p._version)
+            self.versions.append(master._version)
+            writes.watch(self, p)
+            writes.watch(self, master)
             self.index[id(p)] = i
             self.index[id(master)] = i
 
@@ -156,7 +170,8 @@ class MasterWeights:
         """Whether a backward can move each half gradient into its master as it arrives:
         the one-pass C routine is built and the masters are on the CPU (a single process;
         the caller checks that)."""
-        return kernel.native is not None and bool(self.masters) and self.masters[0].device.type == "cpu"
+        return (not self.model_grads and kernel.native is not None and bool(self.masters)
+                and self.masters[0].device.type == "cpu")
 
     def arm(self, inv: float, found: int) -> None:
         """From now until ``disarm``, each half gradient autograd finishes is moved into
@@ -220,7 +235,10 @@ class MasterWeights:
         """
         halfs, masters = self.halfs, self.masters
         absorbed = self.absorbed  # the masters an armed backward's hooks gave their gradient already
-        idx = [i for i, h in enumerate(halfs) if h.grad is not None]
+        self.take_model_grads()
+        mirrors = self.mirrors
+        # a gradient mirror() wrote is the master's already (take_model_grads took any edit)
+        idx = [i for i, h in enumerate(halfs) if h.grad is not None and (mirrors[i] is None or mirrors[i][0] is not h.grad)]
         if not idx and not absorbed:
             return
         if keep_half:
@@ -242,6 +260,8 @@ class MasterWeights:
                 if i in has:
                     if i not in absorbed and i not in sparse:
                         m.grad = self.grads[i]
+                elif mirrors[i] is not None:
+                    pass  # the master holds what the model's .grad shows
                 elif not self.zeroed:
                     # a master whose half got no gradient this step must not step on
                     # the last step's (model.zero_grad() cannot reach the masters)
@@ -263,11 +283,14 @@ class MasterWeights:
             self._collect_sparse(sorted(sparse), unscale)
         if keep_half:
             return
+        self.holds_partial_sum = True
+        if self.model_grads:
+            self.mirror()
+            return
         for i in idx:
             halfs[i].grad = None
         for i in sparse:
             halfs[i].grad = None
-        self.holds_partial_sum = True
 
     def _absorb_all(self, idx: List[int], bufs: List[Tensor], unscale: Optional[Callable[[List[Tensor]], None]]) -> bool:
         """Copy (and unscale and check) the half gradients of ``idx`` into ``bufs`` in one
@@ -288,11 +311,84 @@ class MasterWeights:
         kernel.absorb(moves, inv, found)
         return True
 
+    # ------------------------------------------------------------ the model's view of the gradients
+
+    @torch.no_grad()
+    def mirror(self) -> None:
+        """Make each half parameter's ``.grad`` read its master's true gradient, rounded
+        to the half dtype (in place where autograd left a half gradient, so DDP's bucket
+        views and references a script holds stay valid), and note each one's version,
+        so ``take_model_grads`` can tell which a script edited."""
+        dst: List[Tensor] = []
+        src: List[Tensor] = []
+        for i, (h, m) in enumerate(zip(self.halfs, self.masters)):
+            mg = m.grad
+            g = h.grad
+            if mg is None:
+                if g is not None and self.mirrors[i] is not None:
+                    h.grad = None  # the master's gradient went (a skipped step, zero_grad)
+                self.mirrors[i] = None
+                continue
+            if mg.is_sparse:
+                h.grad = mg.to(h.dtype)
+                self.mirrors[i] = (h.grad, h.grad._version)
+                continue
+            if g is None or g.is_sparse or g.dtype is not h.dtype or g.shape != h.shape:
+                g = h.grad = torch.empty_like(h, memory_format=torch.preserve_format)
+            dst.append(g)
+            src.append(mg)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        for i, h in enumerate(self.halfs):
+            g = h.grad
+            if g is not None:
+                self.mirrors[i] = (g, g._version)
+
+    @torch.no_grad()
+    def take_model_grads(self) -> None:
+        """The edits a script made to the model's ``.grad`` since ``mirror`` (an in-place
+        ``clamp_``/``mul_``/``zero_``, an assignment, ``module.zero_grad()``) reach the
+        masters: an edited gradient replaces its master's (made FP32), a cleared one
+        clears it. Version counters tell which changed."""
+        mirrors = self.mirrors
+        for i, h in enumerate(self.halfs):
+            rec = mirrors[i]
+            if rec is None:
+                continue
+            g = h.grad
+            if g is rec[0] and g._version == rec[1]:
+                continue
+            m = self.masters[i]
+            if g is None:
+                m.grad = None
+                mirrors[i] = None
+                continue
+            if g.is_sparse:
+                m.grad = g.float()
+            else:
+                m.grad = self._buffer(i).copy_(g)
+            mirrors[i] = (g, g._version)
+
+    def drop_model_grads(self) -> None:
+        """Before a backward amp_patch runs: the model's mirrored gradients go (the masters
+        hold them, edits taken first), so the backward's own arrive alone, to be added to
+        the masters' FP32 sum, not to a rounded copy of it."""
+        if not self.model_grads:
+            return
+        self.take_model_grads()
+        for i, rec in enumerate(self.mirrors):
+            if rec is not None:
+                self.halfs[i].grad = None
+                self.mirrors[i] = None
+
     def absorb_true_grads(self) -> None:
         """Half gradients a backward amp_patch did not scale left in the model
         (``torch.autograd.backward``, ``backward(gradient=...)``) join the
         masters' sum as they are."""
-        if any(h.grad is not None for h in self.halfs):
+        self.take_model_grads()
+        mirrors = self.mirrors
+        if any(h.grad is not None and (mirrors[i] is None or mirrors[i][0] is not h.grad)
+               for i, h in enumerate(self.halfs)):
             self.collect_grads(None)
 
     def _collect_sparse(self, idx: List[int], unscale: Optional[Callable[[List[Tensor]], None]]) -> None:
@@ -317,8 +413,33 @@ class MasterWeights:
         """Copy the masters into the half model after a step (one multi-tensor copy)."""
         if self.halfs:
             torch._foreach_copy_(self.halfs, self.masters)
-            if self.versions is not None:
-                self.versions = [m._version for m in self.masters]
+            self.note_halfs()
+
+    def note_halfs(self) -> None:
+        """The half model now holds the masters' values: what changes either from here is the script's."""
+        self.half_versions = [h._version for h in self.halfs]
+        self.versions = [m._version for m in self.masters]
+        self.touched.clear()
+
+    @torch.no_grad()
+    def take_model_writes(self) -> None:
+        """Writes the script made to the half model since the masters were last copied
+        into it (``.data`` writes, ``no_grad`` edits, see ``writes``) reach the masters:
+        each element that differs from its master rounded to half takes the half value."""
+        touched, versions = self.touched, self.half_versions
+        if not touched and all(h._version == v for h, v in zip(self.halfs, versions)):
+            return
+        for i, h in enumerate(self.halfs):
+            if id(h) not in touched and h._version == versions[i]:
+                continue
+            m = self.masters[i]
+            if h.shape != m.shape:  # the script replaced the whole tensor
+                m.data = h.detach().float()
+                continue
+            wrote = h.ne(m.to(h.dtype))
+            if wrote.any():
+                m.copy_(torch.where(wrote, h.float(), m))
+        self.note_halfs()
 
     def consumed(self) -> None:
         """A step (taken or skipped) used up the masters' gradients: the next
@@ -342,6 +463,7 @@ class MasterWeights:
         weight decay, Adam's moments).
         """
         for i, h in enumerate(self.halfs):
+            self.mirrors[i] = None
             if h.grad is not None:
                 if set_to_none:
                     h.grad = None
@@ -354,6 +476,8 @@ class MasterWeights:
                     g.zero_()
                     if self.masters[i].grad is None:
                         self.masters[i].grad = self._buffer(i).zero_()
+                    if self.model_grads:
+                        self.mirrors[i] = (g, g._version)
         self.holds_partial_sum = False
         self.absorbed.clear()
         self.zeroed = not set_to_none
@@ -368,8 +492,10 @@ class MasterWeights:
             self.grads = [b if b is not None and not cuda and b.numel() * b.element_size() >= KEEP_ON_CPU else None
                           for b in self.grads]
 
-    def add_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
-        """A param group for ``add_param_group`` with masters for its half parameters."""
+    def add_group(self, group: Dict[str, Any], dtypes: Optional[Dict[int, torch.dtype]] = None) -> Dict[str, Any]:
+        """A param group for ``add_param_group`` with masters for its half parameters
+        (``dtypes``: each model parameter's dtype before ``initialize`` converted it, by id,
+        which ``restore`` gives back)."""
         entries = group["params"]
         entries = [entries] if isinstance(entries, Tensor) else list(entries)
         named = bool(entries) and isinstance(entries[0], tuple)  # [(name, param), ...]
@@ -380,7 +506,7 @@ class MasterWeights:
                     "some parameters appear in more than one parameter group: a parameter of "
                     "add_param_group already has an FP32 master in this optimizer"
                 )
-        self.adopt(tensors, {})
+        self.adopt(tensors, {}, dtypes)
         params = [(e[0], t) for e, t in zip(entries, tensors["params"])] if named else tensors["params"]
         return dict(group, params=params)
 
@@ -390,6 +516,8 @@ class MasterWeights:
     def restore(self) -> None:
         """Give the model's parameters back to the optimizer, holding the masters' values."""
         opt = self.optimizer
+        self.take_model_grads()
+        self.take_model_writes()
         for hook in self.hooks:
             if hook is not None:
                 hook.remove()
@@ -406,7 +534,12 @@ class MasterWeights:
                 loc[0]["params"][loc[1]] = h
             if m in opt.state:
                 opt.state[h] = _state_to(opt.state.pop(m), dtype)
-        self.halfs, self.masters, self.grads, self.dtypes, self.index = [], [], [], [], {}
+        for h, m in zip(self.halfs, self.masters):
+            writes.unwatch(h)
+            writes.unwatch(m)
+        self.halfs, self.masters, self.grads, self.dtypes, self.mirrors, self.index = [], [], [], [], [], {}
+        self.half_versions = []
+        self.touched.clear()
 
 
 def lookup(amp: Optional["Session"], param: Tensor) -> Optional[Tensor]:

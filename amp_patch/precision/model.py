@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import itertools
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -46,6 +47,15 @@ f32 = torch.float32
 #: modules whose kernels take half inputs with FP32 parameters natively, so a
 #: kept-FP32 one needs no cast of its inputs
 _MIXED_INPUT_OK = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
+
+#: layers torch has no CPU kernel for in these half dtypes (torch 2.13): in a CPU
+#: model they stay FP32 as a kept batchnorm does (inputs cast up, the output back
+#: to the half dtype) instead of raising "not implemented for 'BFloat16'"
+_NO_HALF_CPU_KERNEL = (
+    (nn.AvgPool3d, LOW), (nn.LPPool3d, LOW), (nn.LocalResponseNorm, LOW),  # avg_pool3d
+    (nn.CTCLoss, LOW), (nn.MultiMarginLoss, LOW), (nn.MultiLabelMarginLoss, LOW),
+    (nn.RReLU, (torch.float16,)),
+)
 
 Filter = Callable[[nn.Module, str], bool]
 
@@ -115,11 +125,11 @@ class SaveFP32:
             m = master.lookup(amp, p)
             value = state_dict[key]
             if m is not None:
+                _masters_of(amp, m).take_model_writes()  # a write to the half model since the step counts
                 if to == f32:
                     # a view of the master, as plain torch returns a view of the
                     # parameter: a write into it reaches the half model too
                     state_dict[key] = m if value is p else m.detach()
-                    _masters_of(amp, m).watch()
                 else:
                     state_dict[key] = m.detach().to(to)
             elif p.dtype in LOW and p.dtype != to:
@@ -185,7 +195,7 @@ class SyncWritten:
             )
         for h in amp.optimizer_handles.values():
             mw = h.masters
-            if mw is not None and mw.versions is not None:
+            if mw is not None:
                 mw.sync_written()
         for rec in amp.model_records:
             for e in rec.handed_out.values():
@@ -363,13 +373,35 @@ def _kept_modules(model: nn.Module, keep_bn: bool, keep: Optional[Filter]) -> se
     return kept
 
 
+def _without_half_kernel(model: nn.Module, dtype: torch.dtype) -> set:
+    """``id`` of each layer of a CPU ``model`` that torch cannot run in ``dtype``
+    (``_NO_HALF_CPU_KERNEL``); these hold no parameters, so no tie crosses them."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if first is None or first.device.type != "cpu":
+        return set()
+    return {id(m) for m in model.modules() if any(isinstance(m, cls) and dtype in dtypes for cls, dtypes in _NO_HALF_CPU_KERNEL)}
+
+
+def _refuse_uninitialized(models: Sequence[nn.Module], level: str) -> None:
+    """A lazy module (``nn.LazyLinear``) has no parameters to cast before its
+    first forward pass: say so, instead of failing inside the conversion."""
+    for i, model in enumerate(models):
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.modules.lazy.LazyModuleMixin) and mod.has_uninitialized_params():
+                raise ConfigError(
+                    f"model {i} ({type(model).__name__}): {type(mod).__name__} {name or '(the model)'!r} is a lazy "
+                    f"module whose parameters do not exist before its first forward pass, so opt_level={level!r} "
+                    f"cannot cast them. Run one forward pass on a sample batch before amp_patch.initialize."
+                )
+
+
 def _convert(rec: "Conversion", dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool, keep: Optional[Filter],
              save_dtype: torch.dtype, originals: Dict[int, tuple]) -> None:
     """Cast ``rec.model`` in place, recording each change in ``rec`` as it is made."""
     model = rec.model
     skip = set()
     seen_params = set()
-    kept_ids = _kept_modules(model, keep_bn, keep)
+    kept_ids = _kept_modules(model, keep_bn, keep) | _without_half_kernel(model, dtype)
     for name, mod in model.named_modules():
         if id(mod) in skip:
             continue
@@ -554,6 +586,7 @@ def attach(amp: "Session", models: Sequence[nn.Module], config: AmpConfig) -> Di
     originals: Dict[int, tuple] = {}
     dtype = config.cast_model_type
     if dtype is not None:
+        _refuse_uninitialized(models, config.opt_level)
         keep = _filter(config.keep_fp32, models)
         keep_bn = bool(config.keep_batchnorm_fp32)
         out_dtype = config.cast_model_outputs or f32

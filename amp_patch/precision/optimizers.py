@@ -168,7 +168,7 @@ def attach(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequen
                 built[id(opt)] = (None, None, kernel.KernelStep(opt))
         return built
     for opt in optimizers:
-        mw = master.MasterWeights(opt)
+        mw = master.MasterWeights(opt, model_grads=config.model_grads)
         amp.undo.push(_Release(mw))
         for group in opt.param_groups:
             mw.adopt(group, originals)

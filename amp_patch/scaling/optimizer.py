@@ -14,6 +14,7 @@ from .patches import ensure_patches
 from .state import Handle, Run, Stage, decide_skips, handle, run_of, transfer, transfer_all
 
 if TYPE_CHECKING:
+    from ..precision.master import MasterWeights
     from ..precision.optimizers import Built
     from ..run.session import Session
 
@@ -51,9 +52,13 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
                 f"closure's backward would run inside the step, after the gradients were checked. Call "
                 f"loss = closure() before optimizer.step(), or use BF16 (no loss scaling)."
             )
-        args, kwargs = (_AbsorbAfter(closure, run),) + tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
+        args, kwargs = (_AbsorbAfter(closure, run, h.masters),) + tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
     mw = h.masters
     decide_skips(run)
+    if mw is not None:
+        # what the script did to the model since the backward reaches the masters
+        mw.take_model_grads()
+        mw.take_model_writes()
     skip = bool(h.skip)
     if not skip:
         # A skip decision stands until the next backward: a second step() with
@@ -69,6 +74,7 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
                 mw.refresh()
     h.count(skip)
     if mw is not None:
+        mw.note_halfs()
         mw.consumed()
     return None if skip else out
 
@@ -84,12 +90,16 @@ def _fused_step(h: Handle) -> bool:
 
 
 class _AbsorbAfter:
-    """A closure that moves its gradients into the masters before the optimizer reads them."""
+    """A closure that runs the model on the masters' current values (LBFGS calls it
+    again after each trial update of the masters, inside one step) and moves its
+    gradients into the masters before the optimizer reads them."""
 
-    def __init__(self, closure: Callable[[], object], run: Run):
-        self.closure, self.run = closure, run
+    def __init__(self, closure: Callable[[], object], run: Run, masters: Optional["MasterWeights"]):
+        self.closure, self.run, self.masters = closure, run, masters
 
     def __call__(self) -> object:
+        if self.masters is not None:
+            self.masters.refresh()
         loss = self.closure()
         transfer_all(self.run)
         return loss
@@ -116,7 +126,9 @@ def _add_param_group(self, param_group: dict) -> None:
     h = _lookup(self)
     if h is None or h.masters is None:
         return type(self).add_param_group(self, param_group)
-    h.originals["add_param_group"](h.masters.add_group(param_group))
+    # a converted model's parameter comes back from deinitialize in its dtype from before
+    before = {id(q): d for rec in h.run.amp.model_records for q, d in rec.params}
+    h.originals["add_param_group"](h.masters.add_group(param_group, before))
     h.run.refresh_plain()
 
 

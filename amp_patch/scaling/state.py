@@ -403,12 +403,16 @@ def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
     dist = distributed()
     for h in handles:
         has_masters = h.masters is not None and len(h.masters)
+        if h.fed_by and not dist:
+            _forget_dropped(h)
         if h.pending is not None:
             if h.pending == loss_id and (dist or not has_masters):
                 continue
             transfer(run, h)
         else:
             _absorb(h)
+        if has_masters and not dist:
+            h.masters.drop_model_grads()
         if h.stage is Stage.SCALED or not scaled:
             continue
         if dist:
@@ -416,6 +420,19 @@ def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
             h.move(Stage.SCALED, loss_id)
         else:
             _park_true_grads(h)
+
+
+def _forget_dropped(h: Handle) -> None:
+    """Gradients the script threw away since their backward (``model.zero_grad()``
+    after a NaN loss, with no step) take their overflow verdict with them: the
+    next step is decided by the backwards whose gradients it applies. The loss
+    scale still backs off for the overflow at the next decision."""
+    if h.masters is not None:
+        h.masters.take_model_grads()
+    if any(p.grad is not None for g in h.optimizer.param_groups for p in g["params"]):
+        return
+    h.fed_by.clear()
+    h.skip = None
 
 
 class Armed:

@@ -298,9 +298,10 @@ def test_zero_grad_clears_model_and_master_gradients(set_to_none):
     with amp(model, opt, "O2"):
         x, y = batch()
         F.mse_loss(model(x), y).backward()
-        # the backward's end moved the gradients into the FP32 masters, where the optimizer reads them
-        assert all(p.grad is None for p in model.parameters())
+        # the backward's end moved the gradients into the FP32 masters, where the optimizer reads
+        # them, and the model's .grad shows each rounded to the half dtype
         assert all(m.grad is not None and m.grad.dtype == f32 for m in amp_patch.master_params(opt))
+        assert all(torch.equal(p.grad, m.grad.to(p.dtype)) for p, m in zip(model.parameters(), amp_patch.master_params(opt)))
         first = [m.grad.clone() for m in amp_patch.master_params(opt)]
         opt.step()
         F.mse_loss(model(x), y).backward()  # gradients waiting for the next step

@@ -500,15 +500,18 @@ class _Seen(torch.autograd.Function):
         return g, None
 
 
-def _o2_loop(half_dtype, monkeypatch, hooked, how="plain", zero="optimizer", backwards=3, steps=3, scale=1024.0):
+def _o2_loop(half_dtype, monkeypatch, hooked, how="plain", zero="optimizer", backwards=3, steps=3, scale=1024.0,
+             model_grads=False):
     """Masters' gradients after each backward, and the masters after the steps, of an
-    O2 loop whose backwards move half gradients as they arrive (``hooked``) or at their end."""
+    O2 loop whose backwards move half gradients as they arrive (``hooked``, under
+    ``model_grads=False``) or at their end (the model's .grad then mirrors them, under
+    ``model_grads=True``)."""
     if not hooked:
         monkeypatch.setattr(_master.MasterWeights, "can_arm", lambda self: False)
     model = net()
     opt = sgd(model, lr=0.05)
     grads, extra = [], {} if half_dtype == torch.bfloat16 else dict(loss_scale=scale)
-    with amp(model, opt, "O2", half_dtype=half_dtype, **extra) as (model, opt):
+    with amp(model, opt, "O2", half_dtype=half_dtype, model_grads=model_grads, **extra) as (model, opt):
         masters = list(amp_patch.master_params(opt))
         for step in range(steps):
             # the optimizer's zero_grad releases these small FP32 buffers (their first
@@ -522,7 +525,10 @@ def _o2_loop(half_dtype, monkeypatch, hooked, how="plain", zero="optimizer", bac
                 else:
                     with amp_patch.scale_loss(loss, opt) as s:
                         s.backward()
-                assert all(p.grad is None for p in model.parameters())  # no half gradient outlives the backward
+                if model_grads:  # the model's .grad reads the masters' running sum
+                    assert all(torch.equal(p.grad, m.grad.to(p.dtype)) for p, m in zip(model.parameters(), masters))
+                else:
+                    assert all(p.grad is None for p in model.parameters())  # no half gradient outlives the backward
                 grads.append([m.grad.clone() for m in masters])
             opt.step()
         out = [m.detach().clone() for m in masters]
@@ -536,21 +542,24 @@ def _o2_loop(half_dtype, monkeypatch, hooked, how="plain", zero="optimizer", bac
 @pytest.mark.parametrize("zero", ["optimizer", "model"])
 def test_o2_moving_each_half_gradient_as_it_arrives_gives_the_same_bits(half_dtype, how, zero, monkeypatch):
     # three backwards per step: the first writes the masters' gradients, the next two add to them
+    # and the default, the model's .grad mirroring the masters, computes the same bits
     got_grads, got = _o2_loop(half_dtype, monkeypatch, hooked=True, how=how, zero=zero)
     ref_grads, ref = _o2_loop(half_dtype, monkeypatch, hooked=False, how=how, zero=zero)
-    for gs, rs in zip(got_grads, ref_grads):
-        for g, r in zip(gs, rs):
-            assert g.dtype == torch.float32
-            assert torch.equal(g.view(torch.int32), r.view(torch.int32))
-    for m, r in zip(got, ref):
-        assert torch.equal(m, r)
+    mirror_grads, mirror = _o2_loop(half_dtype, monkeypatch, hooked=True, how=how, zero=zero, model_grads=True)
+    for other_grads, other in ((ref_grads, ref), (mirror_grads, mirror)):
+        for gs, rs in zip(got_grads, other_grads):
+            for g, r in zip(gs, rs):
+                assert g.dtype == torch.float32
+                assert torch.equal(g.view(torch.int32), r.view(torch.int32))
+        for m, r in zip(got, other):
+            assert torch.equal(m, r)
 
 
 @needs_kernel
 def test_o2_a_half_gradient_is_in_its_master_before_the_backward_ends():
     model = net()
     opt = sgd(model)
-    with amp(model, opt, "O2", half_dtype=f16, loss_scale=1024.0) as (model, opt):
+    with amp(model, opt, "O2", half_dtype=f16, loss_scale=1024.0, model_grads=False) as (model, opt):
         last = model[-1].weight
         master = _master.lookup(running.session(), last)
         x, y = data()
@@ -575,7 +584,7 @@ def test_o2_a_half_gradient_is_in_its_master_before_the_backward_ends():
 def test_o2_an_overflow_found_as_gradients_arrive_skips_the_step():
     model = net()
     opt = sgd(model)
-    with amp(model, opt, "O2", half_dtype=f16, loss_scale="dynamic") as (model, opt):
+    with amp(model, opt, "O2", half_dtype=f16, loss_scale="dynamic", model_grads=False) as (model, opt):
         x, y = data()
         F.mse_loss(model(x), y).backward()  # makes the FP32 buffers, which model.zero_grad() keeps
         opt.step()
@@ -609,7 +618,7 @@ def test_o2_a_parameter_reached_twice_in_one_backward_sums_both_in_fp32():
 
     run(ref_model).backward()
     opt = sgd(model)
-    with amp(model, opt, "O2", half_dtype=f16, loss_scale=1024.0) as (model, opt):
+    with amp(model, opt, "O2", half_dtype=f16, loss_scale=1024.0, model_grads=False) as (model, opt):
         run(model).backward()
         assert all(p.grad is None for p in model.parameters())
         for m, r in zip(amp_patch.master_params(opt), ref_model.parameters()):
@@ -621,7 +630,7 @@ def test_o2_a_parameter_reached_twice_in_one_backward_sums_both_in_fp32():
 def test_o2_a_users_own_post_accumulate_hook_still_sees_the_half_gradient():
     model = net()
     opt = sgd(model)
-    with amp(model, opt, "O2", half_dtype=torch.bfloat16) as (model, opt):
+    with amp(model, opt, "O2", half_dtype=torch.bfloat16, model_grads=False) as (model, opt):
         x, y = data()
         F.mse_loss(model(x), y).backward()  # amp_patch's hooks are in place first
         seen = []
