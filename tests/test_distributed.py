@@ -166,7 +166,7 @@ def _accum_case(rank, name):
     try:
         ddp = DDP(model)
         (batch,) = _batches(rank, n=1, micro=MICRO)
-        after = []
+        after, mirrored = [], []
         opt.zero_grad()
         for k, (x, t) in enumerate(batch):
             ctx = ddp.no_sync() if k < MICRO - 1 else _nothing()
@@ -178,8 +178,11 @@ def _accum_case(rank, name):
                 else:
                     loss.backward()
             after.append([p.grad.detach().clone() for p in amp_patch.master_params(opt)])
+            # the model's .grad reads the true running sum too, rounded to its dtype
+            mirrored.append(all(torch.equal(p.grad, m.grad.to(p.dtype))
+                                for p, m in zip(model.parameters(), amp_patch.master_params(opt))))
         opt.step()
-        return dict(after=after, batch=batch, skipped=amp_patch.counters()["skipped"],
+        return dict(after=after, mirrored=mirrored, batch=batch, skipped=amp_patch.counters()["skipped"],
                     masters=[p.detach().clone() for p in amp_patch.master_params(opt)])
     finally:
         amp_patch.deinitialize()
@@ -361,6 +364,7 @@ def test_no_sync_accumulation_gives_true_gradients_and_the_all_reduce_sees_the_w
     tol = dict(rtol=2e-2, atol=2e-3)
     for rank, r in enumerate(results):
         assert r["skipped"] == 0
+        assert all(r["mirrored"]), "the model's .grad did not read the masters' true sum after every backward"
         for k in range(MICRO - 1):
             for g, want in zip(r["after"][k], local[rank][k]):
                 torch.testing.assert_close(g, want, **tol)

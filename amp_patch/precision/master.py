@@ -282,6 +282,8 @@ class MasterWeights:
         if sparse:
             self._collect_sparse(sorted(sparse), unscale)
         if keep_half:
+            if self.model_grads:
+                self.mirror()  # the scaled sum comes back before the next backward (rescale_model_grads)
             return
         self.holds_partial_sum = True
         if self.model_grads:
@@ -380,6 +382,28 @@ class MasterWeights:
             if rec is not None:
                 self.halfs[i].grad = None
                 self.mirrors[i] = None
+
+    @torch.no_grad()
+    def rescale_model_grads(self, scale: float) -> None:
+        """Under DDP, before a backward: the model's mirrored gradients become the
+        scaled running sum again (the masters' sum times ``scale``, exact: the master
+        is that half sum unscaled by a power of two), in place, where DDP's next
+        all-reduce adds to it; edits the script made are taken first."""
+        if not self.model_grads:
+            return
+        self.take_model_grads()
+        dst, src = [], []
+        for i, rec in enumerate(self.mirrors):
+            if rec is None:
+                continue
+            self.mirrors[i] = None
+            g, mg = self.halfs[i].grad, self.masters[i].grad
+            if mg is None or g is None or g.is_sparse:
+                continue
+            dst.append(g)
+            src.append(mg)
+        if dst:
+            torch._foreach_copy_(dst, torch._foreach_mul(src, scale) if scale != 1.0 else src)
 
     def absorb_true_grads(self) -> None:
         """Half gradients a backward amp_patch did not scale left in the model

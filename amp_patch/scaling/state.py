@@ -411,8 +411,11 @@ def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
             transfer(run, h)
         else:
             _absorb(h)
-        if has_masters and not dist:
-            h.masters.drop_model_grads()
+        if has_masters:
+            if dist:
+                h.masters.rescale_model_grads(scaler.scale if scaled else 1.0)
+            else:
+                h.masters.drop_model_grads()
         if h.stage is Stage.SCALED or not scaled:
             continue
         if dist:
