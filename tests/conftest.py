@@ -33,6 +33,10 @@ from helpers import ENV, Snapshot, fast_path
 SNAPSHOT = {name: obj for name, obj in NAMESPACES.items()}
 # the DataLoader's fetchers, whose fetch amp_patch runs with casting off
 SNAPSHOT.update({f"{fetch.__name__}.{cls.__name__}": cls for cls in (fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher)})
+# the classes and modules amp_patch patches beside the op namespaces: the RNN input check
+# (patching.rnn), Parameter.data (precision.writes), TorchScript's module compiler (patching.jit)
+SNAPSHOT.update({"torch.nn.RNNBase": torch.nn.RNNBase, "torch.nn.Parameter": torch.nn.Parameter,
+                 "torch.jit._recursive": torch.jit._recursive})
 
 
 @pytest.fixture(autouse=True)

@@ -532,6 +532,12 @@ def _softplus(r):
     return (r.randn(3, 4, scale=3.0),), {}
 
 
+@sample(*_both("rrelu"))
+def _rrelu(r):
+    # evaluation mode: the fixed slope (lower + upper) / 2, no random draw
+    return (r.randn(2, 3, 4), 0.1, 0.3, False), {}
+
+
 # ------------------------------------------------------------ resampling and pooling
 
 
@@ -592,6 +598,12 @@ def _fractional3d(r):
 def _unpool2d(r):
     _, idx = torch.nn.functional.max_pool2d(r.randn(1, 2, 4, 4), 2, return_indices=True)
     return (r.randn(1, 2, 2, 2), idx, 2), {}
+
+
+@sample("torch.nn.functional.max_unpool1d")
+def _unpool1d(r):
+    _, idx = torch.nn.functional.max_pool1d(r.randn(1, 2, 6), 2, return_indices=True)
+    return (r.randn(1, 2, 3), idx, 2), {}
 
 
 @sample("torch.nn.functional.max_unpool3d")
@@ -823,6 +835,12 @@ def _fft_2d(r):
 
 
 # ------------------------------------------------------------ indexing and joining
+
+
+@sample("torch.nn.functional.embedding_bag")
+def _embedding_bag(r):
+    # the weight, then per-sample weights: the two must share a dtype
+    return (r.randint(10, 2, 3), r.randn(10, 4)), {"mode": "sum", "per_sample_weights": r.uniform(2, 3)}
 
 
 @sample("torch.index_put")

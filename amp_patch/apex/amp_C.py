@@ -13,8 +13,10 @@ The optimizer kernels that scripts and hand-written optimizers call
 NVIDIA's two-stage LAMB, ``multi_tensor_lamb_stage1_cuda`` /
 ``multi_tensor_lamb_stage2_cuda``) follow Apex's kernels' formulas, on the
 same multi-tensor code the ``apex.optimizers`` stand-ins use. Half tensors
-are updated through FP32 copies, rounded once. A kernel not provided raises
-an ``AttributeError`` that names what to use instead.
+are updated through FP32 copies, rounded once. ``update_scale_hysteresis``
+is Apex's loss-scale update with hysteresis, on one-element tensors, bit for
+bit. A kernel not provided raises an ``AttributeError`` that names what to
+use instead.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ f32 = torch.float32
 __all__ = ["multi_tensor_l2norm", "multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_unscale_l2norm",
            "multi_tensor_l2norm_mp", "multi_tensor_l2norm_scale", "multi_tensor_adam", "multi_tensor_sgd",
            "multi_tensor_lamb", "multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda",
-           "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master", "multi_tensor_adagrad"]
+           "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master", "multi_tensor_adagrad",
+           "update_scale_hysteresis"]
 
 
 def _raise_flag(noop_flag: Tensor, bad: Tensor) -> None:
@@ -45,15 +48,41 @@ def _flag_non_finite(noop_flag: Tensor, tensors: Sequence[Tensor]) -> None:
     _raise_flag(noop_flag, torch.isfinite(peaks).all().logical_not())
 
 
+#: FP32 elements ``multi_tensor_unscale_l2norm`` multiplies at a time (64 MiB of scaled copies)
+_UNSCALE_BATCH = 1 << 24
+
+
+def _scaled_norms(tensors: List[Tensor], inv: Tensor) -> List[Tensor]:
+    """The L2 norm of each ``tensor * inv``, each element multiplied before it
+    is squared, in FP32 (Apex's order: a scaled gradient whose square would
+    overflow FP32 gives a finite norm once unscaled). The scaled copies are
+    made a batch of tensors at a time, so the memory they take stays bounded."""
+    out: List[Tensor] = []
+    start, size = 0, 0
+    for i, t in enumerate(tensors):
+        size += t.numel()
+        if size >= _UNSCALE_BATCH or i == len(tensors) - 1:
+            scaled = torch._foreach_mul([x.to(f32) for x in tensors[start:i + 1]], inv)
+            out += torch._foreach_norm(scaled, 2)
+            start, size = i + 1, 0
+    return out
+
+
 def _l2norm(noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], per_tensor: bool,
             inv_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """``multi_tensor_l2norm``'s result, times ``inv_scale`` when given; raises
-    ``noop_flag`` when the total is not finite."""
-    each = torch.stack(torch._foreach_norm(list(tensor_lists[0]), 2, dtype=f32))
+    """``multi_tensor_l2norm``'s result, of the tensors times ``inv_scale``
+    when given; raises ``noop_flag`` when the total is not finite.
+
+    Shapes as Apex's kernel returns them: the total ``[1]``, the per-tensor
+    norms ``[len(tensors)]``, or ``[0]`` without ``per_tensor``."""
+    tensors = list(tensor_lists[0])
+    if inv_scale is None:
+        norms = torch._foreach_norm(tensors, 2, dtype=f32)
+    else:
+        inv = torch.as_tensor(inv_scale, dtype=f32, device=tensors[0].device).reshape(-1)[0]
+        norms = _scaled_norms(tensors, inv)
+    each = torch.stack(norms)
     total = torch.linalg.vector_norm(each).reshape(1)
-    if inv_scale is not None:
-        inv = inv_scale.to(f32).abs().reshape(())
-        total, each = total * inv, each * inv
     _raise_flag(noop_flag, torch.isfinite(total).logical_not().squeeze(0))
     return total, each if per_tensor else each.new_empty(0)
 
@@ -90,6 +119,9 @@ def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists
                                 inv_scale: Tensor, per_tensor: bool = False) -> Tuple[Tensor, Tensor]:
     """``multi_tensor_l2norm`` of the tensors multiplied by ``inv_scale``, the tensors left as they are.
 
+    Each element is multiplied by ``inv_scale`` before it is squared, in FP32,
+    as in Apex's kernel. Sets ``noop_flag`` to 1 when the total is not finite.
+
     Args:
         chunk_size: ignored (Apex's CUDA tiling).
         noop_flag: an int tensor of one element.
@@ -98,11 +130,13 @@ def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists
         per_tensor: also return each tensor's norm.
 
     Returns:
-        ``(total, per_tensor_norms)``, as ``multi_tensor_l2norm``.
+        ``(total, per_tensor_norms)``, as ``multi_tensor_l2norm``: ``total`` of
+        shape ``[1]`` (Apex's kernel returns a one-element tensor, not a 0-d one).
 
     Example::
 
-        total, _ = amp_C.multi_tensor_unscale_l2norm(2048 * 32, flag, [grads], 1 / scaler.get_scale(), False)
+        inv = torch.tensor([1 / 65536.0])
+        total, _ = amp_C.multi_tensor_unscale_l2norm(2048 * 32, flag, [grads], inv, False)
     """
     return _l2norm(noop_flag, tensor_lists, per_tensor, inv_scale)
 
@@ -195,6 +229,86 @@ def multi_tensor_l2norm_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: 
     if ins:
         torch._foreach_copy_(outs, torch._foreach_mul([t.to(f32) for t in ins], scale))
     return result
+
+
+def _first(t: Tensor, dtype: torch.dtype, what: str) -> Tensor:
+    """A view of the element at ``t``'s data pointer (what Apex's one-thread kernel reads and writes)."""
+    if t.dtype != dtype:
+        raise RuntimeError(f"update_scale_hysteresis: {what} must be a {dtype} tensor (Apex's kernel reads it "
+                           f"as one), not {t.dtype}")
+    if t.numel() == 0:
+        raise RuntimeError(f"update_scale_hysteresis: {what} is empty; it needs one element")
+    return t.as_strided((1,), (1,))
+
+
+def _flush(x: Tensor) -> Tensor:
+    """FP32 ``x`` with subnormals flushed to zero of the same sign, as Apex's
+    kernel (built with ``--use_fast_math``) reads and writes floats."""
+    return torch.where(x.abs() < torch.finfo(f32).tiny, x * 0, x)
+
+
+def update_scale_hysteresis(current_scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
+                            found_inf: Tensor, growth_factor: float, backoff_factor: float, growth_interval: int,
+                            hysteresis: int) -> Tensor:
+    """Apex's dynamic loss-scale update with hysteresis, in place, without a host sync.
+
+    The scale backs off only after ``hysteresis`` overflowing steps in a row.
+    On each call, with ``found_inf`` read as Apex's kernel reads it:
+
+    * ``found_inf > 0``: ``hysteresis_tracker -= 1``; while it stays above 0,
+      ``growth_tracker = 0`` and nothing else changes;
+    * otherwise, ``found_inf != 0`` (an overflow, NaN included): ``scale *=
+      backoff_factor`` (no check for underflow: a product below FP32's
+      smallest normal becomes 0) and ``growth_tracker = 0``;
+    * ``found_inf == 0``: ``growth_tracker += 1``; on reaching
+      ``growth_interval`` the scale is multiplied by ``growth_factor`` unless
+      that is not finite, and ``growth_tracker = 0``;
+    * ``found_inf <= 0`` (no overflow): ``hysteresis_tracker = hysteresis``.
+
+    Products are taken in FP64 and rounded once to FP32, and subnormal FP32
+    values count as 0, as in Apex's kernel.
+
+    Args:
+        current_scale: FP32, one element: the loss scale, updated.
+        growth_tracker: int32, one element: clean steps since the last change, updated.
+        hysteresis_tracker: int32, one element: overflows still tolerated, updated.
+        found_inf: FP32, one element: above 0 when this step overflowed.
+        growth_factor: the scale's factor after ``growth_interval`` clean steps.
+        backoff_factor: the scale's factor on a counted overflow.
+        growth_interval: clean steps between growths.
+        hysteresis: overflows in a row before the scale backs off.
+
+    Returns:
+        ``current_scale``.
+
+    Raises:
+        RuntimeError: a tensor of another dtype, or empty.
+
+    Example::
+
+        scale = torch.tensor([65536.0])
+        growth = torch.zeros(1, dtype=torch.int32)
+        hyst = torch.tensor([2], dtype=torch.int32)
+        amp_C.update_scale_hysteresis(scale, growth, hyst, found_inf, 2.0, 0.5, 2000, 2)
+    """
+    scale = _first(current_scale, f32, "current_scale")
+    growth = _first(growth_tracker, torch.int32, "growth_tracker")
+    hyst = _first(hysteresis_tracker, torch.int32, "hysteresis_tracker")
+    found = _flush(_first(found_inf, f32, "found_inf").to(scale.device))
+    s = _flush(scale)
+    counted = found > 0
+    left = hyst - counted.to(torch.int32)
+    waits = counted & (left > 0)  # an overflow hysteresis still absorbs
+    overflow = found != 0
+    backed = _flush((s.double() * backoff_factor).to(f32))
+    grown = _flush((s.double() * growth_factor).to(f32))
+    successful = growth + 1
+    due = successful == growth_interval
+    new_scale = torch.where(overflow, backed, torch.where(due & torch.isfinite(grown), grown, scale))
+    scale.copy_(torch.where(waits, scale, new_scale))
+    growth.copy_(torch.where(waits | overflow | due, torch.zeros_like(growth), successful))
+    hyst.copy_(torch.where(found <= 0, torch.full_like(left, hysteresis), left))
+    return current_scale
 
 
 def _step_noop(noop_flag: Tensor) -> bool:

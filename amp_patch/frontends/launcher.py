@@ -48,6 +48,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from .. import diagnostics, frontend, oplists
 from ..base import running
 from ..base.errors import ConfigError
+from ..patching import jit
 from ..patching.registry import Patcher
 from ..precision import model as model_side
 from ..diagnostics.stats import dtype_name
@@ -343,6 +344,11 @@ class Launch:
         try:
             if not alias.is_installed() and alias.install_apex_alias():
                 self.undo.push(alias.remove_apex_alias)
+            if level != "O0":
+                # torch.jit.script of a model the launcher's hooks are on (the outermost call's,
+                # the output casts) compiles without them; undone after any session, which may
+                # have asked for the same (patching.jit)
+                jit.hide_hooks_from_script(self.undo)
             # whichever session runs at the end (the launcher's or the script's) ends before the alias goes
             self.undo.push(_end_session)
             if level in FUNCTION_LEVELS:
@@ -352,9 +358,11 @@ class Launch:
                 hook = OptimizerHook(self._on_optimizer)
                 hook.install()
                 self.undo.push(hook.uninstall)
-            if self.settings.output_dtype is not None:
-                # models nobody paired (built after initialize, for evaluation) return FP32 too
-                guard = OutermostOutputs()
+            if self.settings.output_dtype is not None or level in FUNCTION_LEVELS:
+                # models nobody paired (built after initialize, for evaluation) return FP32 too;
+                # and, the models being unknown at O1/O4, each outermost module call starts
+                # with an empty weight-cast cache (a `.data` write bumps no version counter)
+                guard = OutermostOutputs(cast=self.settings.output_dtype is not None)
                 guard.install()
                 self.undo.push(guard.uninstall)
         except BaseException:
@@ -379,6 +387,16 @@ class Launch:
         self.amp = amp
         kwargs = self.settings.initialize_kwargs()
         amp.provisional = Provisional(kwargs["half_dtype"], kwargs["lists"], self.settings.output_dtype)
+        amp.undo.push(self._forget_held)
+
+    def _forget_held(self) -> None:
+        """When the launcher's session ends with set-up warnings still held (the
+        script's own initialize replaces it, or the script deinitializes), they
+        are dropped and forgotten there and then: the script's initialize, which
+        runs its own checks next, then gives those that apply to its run (the
+        same message included: FP16 on the CPU at the launcher's own level)."""
+        held, self._held = self._held, []
+        diagnostics.forget_warned([m for m, _ in held])
 
     def _ours(self) -> bool:
         """True while the running AMP state is the one this launch started."""

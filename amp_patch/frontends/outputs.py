@@ -16,6 +16,12 @@ called, so an exception cannot leave the thread "inside") that casts its
 floating half outputs to FP32 when the outermost call ends. The hook is a
 plain function, so copies and pickles of the model carry nothing of ours
 that cannot be copied.
+
+An outermost call is also where the running session's weight-cast cache is
+emptied on these routes (``patching/cast.py``): the models of a zero-code run
+are not known to amp_patch, and a write through ``.data`` between two forwards
+(an EMA swap for evaluation, pruning) bumps no version counter the cache
+could see. With ``--outputs half`` the guard runs for that alone (``cast=False``).
 """
 from __future__ import annotations
 
@@ -42,9 +48,14 @@ def _pre(module: torch.nn.Module, args: tuple) -> None:
         return
     outer = getattr(_state, "module", None)
     if outer is None:
+        if isinstance(module, torch.jit.ScriptModule):
+            return  # compiled code: it takes no hooks, calls no Python module, and runs uncast
         _state.module, _state.depth = module, 1
         if module not in guard.hooked:
             guard.hooked[module] = module.register_forward_hook(_end, always_call=True)
+        amp = running.session()
+        if amp is not None:
+            amp.cache.clear()  # half weight copies from before this call may be stale
     elif outer is module:
         _state.depth += 1
 
@@ -56,13 +67,15 @@ def _end(module: torch.nn.Module, args: tuple, output: object) -> object:
     if _state.depth:
         return None
     _state.module = None
-    if _active is None or running.session() is None:
+    if _active is None or not _active.cast or running.session() is None:
         return None
     return cast(output, torch.float32, None)  # the same object back when nothing is half
 
 
 class OutermostOutputs:
-    """Cast the floating half outputs of every outermost module call to FP32 while installed.
+    """Cast the floating half outputs of every outermost module call to FP32 while
+    installed (``cast=False``: leave them as computed), and empty the running
+    session's weight-cast cache when such a call starts.
 
     Example::
 
@@ -74,7 +87,8 @@ class OutermostOutputs:
             guard.uninstall()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cast: bool = True) -> None:
+        self.cast = cast
         self.hooked: "weakref.WeakKeyDictionary[torch.nn.Module, RemovableHandle]" = weakref.WeakKeyDictionary()
         self.handle: Optional["RemovableHandle"] = None
 

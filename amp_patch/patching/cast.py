@@ -6,10 +6,23 @@ and it recurses into tuples, lists and dicts. Containers are rebuilt only when
 something inside them changed, so the common no-cast call allocates nothing.
 
 The cache keeps the half-precision copy of an FP32 leaf tensor that requires
-grad (an ``nn.Parameter``), so a weight used many times in one iteration is
-cast once. An entry is valid while the parameter's version counter and storage
-are unchanged: an in-place edit, ``load_state_dict`` or an optimizer step bumps
-the version and the next use casts again.
+grad (an ``nn.Parameter``), so a weight used many times in one forward (an
+RNN cell's loop, tied embeddings, a layer called twice) is cast once. An entry
+is valid while the parameter's version counter and storage are unchanged: an
+in-place edit, ``load_state_dict`` or an optimizer step bumps the version and
+the next use casts again.
+
+A write through ``.data`` (``p.data.mul_(0.5)``, ``p.data.copy_(ema)``: EMA
+swaps for evaluation, pruning) bumps no version counter, so no check per hit
+can see it. The cache therefore lives for one forward, as ``torch.autocast``'s
+lives for one autocast region: it is emptied when the outermost forward of a
+model given to ``initialize`` starts (``run.flight``), when any outermost
+module call starts under the launcher and ``amp_patch.auto``, whose models
+amp_patch does not know (``frontends.outputs``), and before and after each
+backward (``scaling.patches``). Evaluation loops with no backward, several
+forwards per step and ``torch.no_grad()`` evaluation all cast afresh at each
+forward. None of this touches a patched op's call: a hit still costs the
+checks below, a call that casts nothing never reaches the cache.
 """
 from __future__ import annotations
 

@@ -8,14 +8,32 @@ as it was (most Tensor methods live on ``torch._C.TensorBase``).
 
 Our registry, not wrapt, is the one source of truth for what is patched;
 the process's undo stack (``base.undo``) holds how to take it off.
+
+While an attribute is patched, its wrapper stands for the original in
+TorchScript's table of builtins (``builtin_table``), so that code scripted
+meanwhile compiles to the original op and runs uncast; the entry goes with the
+patch (see ``patching.jit``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..base.undo import Owned
 
 _NOTSET = object()
+
+
+def builtin_table() -> Optional[Dict[int, str]]:
+    """TorchScript's table of builtins, ``{id(function): "aten::name"}``, built
+    now if it is not yet (while torch is unpatched, so that it never records a
+    wrapper itself), or None where torch has no TorchScript."""
+    try:
+        from torch.jit import _builtins
+
+        return _builtins._get_builtin_table()
+    except Exception:  # pragma: no cover - a torch without TorchScript
+        return None
+
 
 #: ``(owner, name, make_wrapper)``: patch ``owner.name`` with ``make_wrapper(original)``
 PatchItem = Tuple[object, str, Callable[[Any], Any]]
@@ -24,7 +42,7 @@ PatchItem = Tuple[object, str, Callable[[Any], Any]]
 class PatchRecord:
     """One changed attribute: enough to put it back exactly."""
 
-    __slots__ = ("owner", "name", "own", "old", "new")
+    __slots__ = ("owner", "name", "own", "old", "new", "builtin", "shadowed")
 
     def __init__(self, owner: object, name: str, own: object, old: object, new: object):
         self.owner = owner
@@ -32,6 +50,10 @@ class PatchRecord:
         self.own = own  # the owner's own value before patching, or _NOTSET
         self.old = old  # the value seen through getattr before patching
         self.new = new
+        #: the TorchScript builtin ``new`` is entered as ("aten::conv2d"), or None
+        self.builtin: Optional[str] = None
+        #: what the builtin table held under id(new) before, or _NOTSET
+        self.shadowed: object = _NOTSET
 
 
 class Patcher:
@@ -73,6 +95,7 @@ class Patcher:
         Returns how many were patched.
         """
         done: List[PatchRecord] = []
+        builtins = builtin_table()
         try:
             for owner, name, make in items:
                 if (id(owner), name) in self._index:
@@ -84,6 +107,11 @@ class Patcher:
                 rec = PatchRecord(owner, name, own, old, new)
                 done.append(rec)
                 self._index[(id(owner), name)] = rec
+                builtin = builtins.get(id(old)) if builtins is not None else None
+                if builtin is not None and new is not old:
+                    # scripted code sees the original op (patching.jit)
+                    rec.builtin, rec.shadowed = builtin, builtins.get(id(new), _NOTSET)
+                    builtins[id(new)] = builtin
         except BaseException:
             self._restore(done)
             raise
@@ -96,8 +124,16 @@ class Patcher:
         self._undo.pop_to(0, self.KIND)
 
     def _restore(self, records: List[PatchRecord]) -> None:
+        builtins = builtin_table()
         for rec in reversed(records):
             self._index.pop((id(rec.owner), rec.name), None)
+            if rec.builtin is not None and builtins is not None and builtins.get(id(rec.new)) == rec.builtin:
+                # out of TorchScript's table before the wrapper can die and its id be reused
+                if rec.shadowed is _NOTSET:
+                    del builtins[id(rec.new)]
+                else:
+                    builtins[id(rec.new)] = rec.shadowed
+                rec.builtin = None
             if rec.own is _NOTSET:
                 try:
                     delattr(rec.owner, rec.name)

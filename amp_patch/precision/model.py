@@ -21,6 +21,7 @@ import difflib
 import fnmatch
 import itertools
 import logging
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -31,7 +32,7 @@ from ..base import running
 from ..base.errors import ConfigError, StateError
 from ..config import AmpConfig
 from ..patching.cast import CASTABLE, LOW, cast, needs_cast
-from . import compat, master
+from . import compat, fsdp, master
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -205,6 +206,40 @@ class SyncWritten:
         return f"amp_patch.SyncWritten({self.dtype})"
 
 
+class LateShard:
+    """A global forward pre-hook while ``torch.distributed.fsdp`` is imported and
+    converted models have not run a forward yet: a model ``fully_shard``-ed after
+    ``initialize`` converted it is refused at its first forward, before FSDP's own
+    hooks run (they would fail on the half and FP32 parameters of one unit, or
+    train copies of the half weights the masters no longer reach), naming the
+    order that works. Each model is looked at once; the hook goes when all have been."""
+
+    def __init__(self, models: Sequence[nn.Module]):
+        self.pending = {id(m) for m in models}
+        self.handle = nn.modules.module.register_module_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if id(module) not in self.pending or torch.compiler.is_compiling():
+            return
+        self.pending.discard(id(module))
+        if not self.pending:
+            self.handle.remove()
+        amp = running.session()
+        if amp is not None and fsdp.sharded(module):
+            raise StateError(
+                f"{type(module).__name__} was sharded by fully_shard after amp_patch.initialize converted it at "
+                f"opt_level={amp.config.opt_level!r}: FSDP took over the half parameters whose FP32 masters the "
+                f"optimizer steps. The order that works: {fsdp.ORDER}; amp_patch then gives FSDP the policies "
+                f"O2 means, FSDP's FP32 shards being the masters. (amp_patch.deinitialize() first, to start over.)"
+            )
+
+    def __repr__(self) -> str:
+        return "amp_patch.LateShard()"
+
+    def undo(self) -> None:
+        self.handle.remove()
+
+
 class LoadIntoMasters:
     """``load_state_dict`` pre-hook: copy incoming values into the masters.
 
@@ -321,6 +356,8 @@ def validate(models: Sequence[nn.Module], config: AmpConfig) -> None:
                 f"Call amp_patch.initialize on the plain model first, then wrap it: "
                 f"model, opt = amp_patch.initialize(model, opt, ...); model = DDP(model)"
             )
+    if casts_half:
+        _refuse_uninitialized(models, config.opt_level)
 
 
 # ------------------------------------------------------------------ conversion
@@ -379,7 +416,8 @@ def _without_half_kernel(model: nn.Module, dtype: torch.dtype) -> set:
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     if first is None or first.device.type != "cpu":
         return set()
-    return {id(m) for m in model.modules() if any(isinstance(m, cls) and dtype in dtypes for cls, dtypes in _NO_HALF_CPU_KERNEL)}
+    lacking = tuple(cls for cls, dtypes in _NO_HALF_CPU_KERNEL if dtype in dtypes)
+    return {id(m) for m in model.modules() if isinstance(m, lacking)}
 
 
 def _refuse_uninitialized(models: Sequence[nn.Module], level: str) -> None:
@@ -451,6 +489,42 @@ def _convert(rec: "Conversion", dtype: torch.dtype, out_dtype: torch.dtype, keep
                                       lambda mod, name, b: _exact_buffer(running.session(), mod, name, b)))
     if rec.params:
         copies.install_save_pretrained(model, rec.params[0][1])
+
+
+def _convert_sharded(amp: "Session", rec: "Conversion", dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool,
+                     keep: Optional[Filter], save_dtype: torch.dtype) -> None:
+    """O2/O5 on a ``fully_shard``-ed model (``fsdp``): its parameters stay FSDP's FP32
+    shards, the masters the optimizer steps, and FSDP is given the policies that
+    gather them in ``dtype`` (FP32 for the modules kept FP32); the rest is what
+    ``_convert`` does to an unsharded model: the same hooks (inputs to ``dtype``,
+    outputs to ``out_dtype``, kept modules' inputs and outputs) and the other
+    modules' floating buffers cast to ``dtype``, so the model computes what the
+    unsharded one computes."""
+    model = rec.model
+    kept_ids = _kept_modules(model, keep_bn, keep) | _without_half_kernel(model, dtype)
+    skip: set = set()
+    for name, mod in model.named_modules():
+        if id(mod) in skip:
+            continue
+        if id(mod) in kept_ids:
+            skip.update(id(m) for m in mod.modules())
+            if not isinstance(mod, _MIXED_INPUT_OK):
+                rec.handles.append(mod.register_forward_pre_hook(CastInputs(f32), with_kwargs=True))
+            rec.handles.append(mod.register_forward_hook(CastOutputs(dtype)))
+            continue
+        changed = False
+        for bname, b in mod._buffers.items():
+            if b is not None and b.dtype in CASTABLE and b.dtype != dtype:
+                rec.buffers.append((mod, bname, b.dtype))
+                new = mod._buffers[bname] = b.to(dtype)
+                rec.exact[(id(mod), bname)] = _Exact(new, b)
+                changed = True
+        if changed:
+            _checkpoint_hooks(mod, save_dtype, rec)
+    amp.undo.push(fsdp.apply(model, dtype, fsdp.kept_inside(model, kept_ids)))
+    # the parameters a forward sees are FSDP's gathered ones, in their unit's dtype: no probe
+    rec.handles.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
+    rec.handles.append(model.register_forward_hook(CastOutputs(out_dtype)))
 
 
 def _exact_value(param: Tensor) -> Optional[Tensor]:
@@ -586,7 +660,6 @@ def attach(amp: "Session", models: Sequence[nn.Module], config: AmpConfig) -> Di
     originals: Dict[int, tuple] = {}
     dtype = config.cast_model_type
     if dtype is not None:
-        _refuse_uninitialized(models, config.opt_level)
         keep = _filter(config.keep_fp32, models)
         keep_bn = bool(config.keep_batchnorm_fp32)
         out_dtype = config.cast_model_outputs or f32
@@ -596,7 +669,14 @@ def attach(amp: "Session", models: Sequence[nn.Module], config: AmpConfig) -> Di
             # registered before the first change, so a failure half way is undone too
             amp.model_records.append(rec)
             amp.undo.push(_Unconvert(rec))
-            _convert(rec, dtype, out_dtype, keep_bn, keep, save_dtype, originals)
+            if fsdp.sharded(m):
+                _convert_sharded(amp, rec, dtype, out_dtype, keep_bn, keep, save_dtype)
+            else:
+                _convert(rec, dtype, out_dtype, keep_bn, keep, save_dtype, originals)
+        plain = [m for m in models if not fsdp.sharded(m)]
+        if plain and config.master_weights and "torch.distributed.fsdp" in sys.modules:
+            late = LateShard(plain)
+            amp.undo.push(late.undo)
     elif config.master_weights:
         save_dtype = config.save_dtype
         for m in models:

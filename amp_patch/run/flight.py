@@ -27,11 +27,13 @@ import torch
 from torch.compiler import is_compiling
 
 from ..base.errors import StateError
+from ..patching import jit
 from ..precision import copies
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
+    from ..patching.cast import CastCache
     from .session import Session
 
 #: how long initialize/deinitialize wait for other threads' work in flight
@@ -134,10 +136,12 @@ class _Hold:
 
 class _Forwards:
     """What the two forward hooks of one session share: per thread, whether each
-    forward in flight was counted."""
+    forward in flight was counted; and the session's weight-cast cache, emptied
+    when a forward starts outside another."""
 
-    def __init__(self, flight: InFlight):
+    def __init__(self, flight: InFlight, cache: Optional["CastCache"] = None):
         self.flight = flight
+        self.cache = cache
         self.counted = threading.local()
 
 
@@ -160,6 +164,12 @@ class ForwardStart:
         stack = getattr(s.counted, "stack", None)
         if stack is None:
             stack = s.counted.stack = []
+        if s.cache is not None and not s.flight.inside("forward"):
+            # The outermost forward starts: the half weight copies of an earlier
+            # one may be stale, since a write through `.data` (an EMA swap,
+            # pruning) bumps no version counter. As torch.autocast empties its
+            # cache when its region (usually one forward) ends; patching/cast.py.
+            s.cache.clear()
         stack.append(s.flight.enter("forward"))
 
 
@@ -209,8 +219,11 @@ def watch(amp: "Session", models: Sequence[torch.nn.Module]) -> None:
     A deep copy or pickle of a watched model leaves the hooks behind (they hold
     the session's lock, and a copy is not the session's): a converted model's
     copy rule drops them already, any other model gets one that only does that.
+    So does ``torch.jit.script`` of such a model (``patching.jit.hide_hooks``).
     """
-    shared = _Forwards(amp.flight)
+    shared = _Forwards(amp.flight, amp.cache)
+    if models:
+        jit.hide_hooks_from_script(amp.undo)
     for m in models:
         if isinstance(m, torch.jit.ScriptModule):
             continue  # takes no hooks; it runs in FP32 under O1 anyway (diagnostics says so)

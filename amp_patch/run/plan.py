@@ -32,7 +32,7 @@ from ..config import AmpConfig, parse
 from ..diagnostics.report import report_of
 from ..diagnostics.stats import Ledger
 from ..oplists import NAMESPACES
-from ..patching import costs
+from ..patching import costs, rnn
 from ..patching.registry import PatchItem
 from ..patching.cast import LOW
 from ..patching.wrappers import attention_wrapper, make_wrapper, pop_disabled, push_disabled
@@ -379,12 +379,12 @@ def end(amp: Session) -> None:
 
 
 def function_items(amp: Session, registrations: Sequence[Registration]) -> List[PatchItem]:
-    """What ``amp`` patches: O1/O4 the op lists (and registrations, and the
-    DataLoader's fetch); O2/O5 under ``cast_policy="auto"`` on CPU, attention
-    alone; O0/O3 nothing."""
+    """What ``amp`` patches: O1/O4 the op lists (and registrations, the
+    DataLoader's fetch and the RNN modules' dtype check); O2/O5 under
+    ``cast_policy="auto"`` on CPU, attention alone; O0/O3 nothing."""
     config = amp.config
     if config.patch_torch_functions:
-        return patch_items(amp, registrations) + dataloader_items()
+        return patch_items(amp, registrations) + dataloader_items() + rnn.check_input_items(amp.table or {}, amp.live)
     if config.cast_policy == "auto" and config.cast_model_type in LOW and amp.device_type == "cpu":
         return [attention_item(amp)]
     return []

@@ -5,8 +5,12 @@ each against a hand-written reference of the formula Apex's source computes."""
 from __future__ import annotations
 
 import importlib
+import json
 import math
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,11 +31,12 @@ from amp_patch.apex.contrib.optimizers import FusedAdam as ContribFusedAdam
 from amp_patch.apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
 from amp_patch.apex.contrib.xentropy import SoftmaxCrossEntropyLoss
 from amp_patch.apex.fused_dense import FusedDense, FusedDenseGeluDense
-from amp_patch.apex.mlp import MLP
+from amp_patch.apex.mlp import MLP, MlpFunction, mlp_function
 from amp_patch.apex.normalization import fused_layer_norm as N
 from amp_patch.apex.optimizers import FP16_Optimizer, FusedAdam
 from amp_patch.apex.reparameterization import apply_weight_norm, remove_weight_norm
 from amp_patch.frontends import scan
+from helpers import amp as amp_patch_run
 from helpers import case_results, mlp, run_workers, serve_cases
 
 f32 = torch.float32
@@ -91,6 +96,48 @@ def test_every_apex_module_path_imports_in_every_form(path, apex_alias):
     if path != "apex.amp._amp_state":
         assert via_attributes is m
     assert m.__name__.startswith("amp_patch")
+
+
+#: run in a fresh interpreter: a bare `import apex`, then each served module path as attributes
+_BARE_IMPORT = """
+import json, sys
+import amp_patch
+amp_patch.install_apex_alias()
+import apex
+out = {}
+for path in json.loads(sys.argv[1]):
+    obj = apex
+    try:
+        for part in path.split(".")[1:]:
+            obj = getattr(obj, part)
+        out[path] = obj.__name__
+    except AttributeError as e:
+        out[path] = "AttributeError: " + str(e)
+try:
+    apex.contrib.nope
+except AttributeError as e:
+    out["apex.contrib.nope"] = "AttributeError: " + str(e)
+out["FP16_Optimizer"] = apex.contrib.optimizers.FP16_Optimizer.__module__
+print(json.dumps(out))
+"""
+
+
+def test_a_bare_import_apex_reaches_every_served_module_as_check_script_says():
+    # Apex's `import apex` imported apex.amp, which imported apex.contrib.optimizers: a script
+    # could use apex.contrib.optimizers.FP16_Optimizer with no other import, as check-script reports
+    paths = [p for p in SERVED_PATHS if p.startswith("apex.")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(Path(amp_patch.__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", _BARE_IMPORT, json.dumps(paths)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert {p: n for p, n in got.items() if p in paths and not n.startswith("amp_patch")} == {}
+    assert got["FP16_Optimizer"] == ContribFP16_Optimizer.__module__
+    assert got["apex.contrib.nope"].startswith("AttributeError") and "nope" in got["apex.contrib.nope"]
+    uses = {u.name: u for u in scan.scan("import apex\napex.contrib.optimizers.FP16_Optimizer(opt)\napex.contrib.nope\n")}
+    assert uses["apex.contrib.optimizers.FP16_Optimizer()"].served_by
+    assert not uses["apex.contrib.nope"].served_by
 
 
 def test_apex_submodule_and_its_names_agree(apex_alias):
@@ -699,6 +746,104 @@ def test_apex_mlp_is_linear_layers_each_followed_by_the_activation():
     assert [n for n, _ in mlp.named_parameters()] == ["weight_0", "bias_0", "weight_1", "bias_1"]
     with pytest.raises(TypeError, match="relu or none"):
         MLP([2, 2], activation="tanh")
+
+
+def mlp_tensors(bias, sizes=(5, 4, 3), batch=6, dtype=f32, seed=0):
+    """An input and an MLP's weights and biases, each a leaf that requires grad."""
+    shapes = [(batch, sizes[0])] + [(o, i) for i, o in zip(sizes, sizes[1:])]
+    if bias:
+        shapes += [(o,) for o in sizes[1:]]
+    return [t.requires_grad_() for t in tensors(*shapes, seed=seed, dtype=dtype)]
+
+
+def torch_mlp(activation, x, weights, biases):
+    """A plain torch MLP: each layer F.linear, then the activation (the last layer too)."""
+    act = {0: lambda y: y, 1: F.relu, 2: torch.sigmoid}[activation]
+    for w, b in zip(weights, biases):
+        x = act(F.linear(x, w, b))
+    return x
+
+
+def split(bias, args):
+    n = (len(args) - 1) // 2 if bias else len(args) - 1
+    return args[0], args[1:n + 1], args[n + 1:] if bias else [None] * n
+
+
+@pytest.mark.parametrize("bias", [1, 0])
+@pytest.mark.parametrize("activation", [0, 1, 2])
+def test_mlp_function_is_a_torch_mlp_forward_and_backward(activation, bias):
+    args = mlp_tensors(bias)
+    ref_args = [t.detach().clone().requires_grad_() for t in args]
+    y = MlpFunction.apply(bias, activation, *args)
+    ref = torch_mlp(activation, *split(bias, ref_args))
+    torch.testing.assert_close(y, ref)
+    g = tensors(tuple(ref.shape), seed=1)[0]
+    y.backward(g)
+    ref.backward(g)
+    for t, r in zip(args, ref_args):
+        assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
+        torch.testing.assert_close(t.grad, r.grad)
+
+
+class _ByHand(torch.autograd.Function):
+    """What DLRM does: an autograd function of its own around MlpFunction's static methods."""
+
+    @staticmethod
+    def forward(ctx, bias, activation, *args):
+        return MlpFunction.forward(ctx, bias, activation, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return MlpFunction.backward(ctx, grad)
+
+
+def test_mlp_function_forward_and_backward_called_by_hand():
+    args = mlp_tensors(1)
+    ref_args = [t.detach().clone().requires_grad_() for t in args]
+    y = _ByHand.apply(1, 1, *args)
+    ref = torch_mlp(1, *split(1, ref_args))
+    y.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(y, ref)
+    for t, r in zip(args, ref_args):
+        torch.testing.assert_close(t.grad, r.grad)
+    # and with a plain object as ctx, no autograd at all
+    ctx = type("Ctx", (), {})()
+    out = MlpFunction.forward(ctx, 1, 1, *[t.detach() for t in args])
+    grads = MlpFunction.backward(ctx, torch.ones_like(out))
+    assert grads[:2] == (None, None) and not hasattr(ctx, "outputs")  # backward frees the layer outputs
+    for got, r in zip(grads[2:], ref_args):
+        torch.testing.assert_close(got, r.grad)
+
+
+def test_mlp_function_dtypes_casting_and_errors():
+    # one dtype, the input's, as Apex's kernel; each gradient in its tensor's dtype
+    args = mlp_tensors(1)
+    half_x = args[0].detach().to(torch.bfloat16).requires_grad_()
+    y = MlpFunction.apply(1, 2, half_x, *args[1:])
+    assert y.dtype == torch.bfloat16
+    ref = torch_mlp(2, *split(1, [half_x.detach()] + [t.detach().to(torch.bfloat16) for t in args[1:]]))
+    torch.testing.assert_close(y, ref)
+    y.float().sum().backward()
+    assert half_x.grad.dtype == torch.bfloat16 and all(t.grad.dtype == f32 for t in args[1:])
+    # mlp_function casts to the autocast dtype first, as Apex's
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mlp_function(1, 1, *args).dtype == torch.bfloat16
+        assert MlpFunction.apply(1, 1, *args).dtype == f32  # the function itself runs as given
+    # amp_patch's casting does not reach inside: it runs in FP32 like a kernel, with a matching backward
+    model = nn.Linear(5, 4)
+    with amp_patch_run(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1"):
+        assert F.linear(args[0], args[1]).dtype != f32  # casting is on
+        y = MlpFunction.apply(1, 1, *args)
+        assert y.dtype == f32
+        y.sum().backward()
+    torch.testing.assert_close(y, torch_mlp(1, *split(1, [t.detach() for t in args])))
+    with pytest.raises(ValueError, match="2-D"):
+        MlpFunction.apply(1, 1, args[0].detach().unsqueeze(0), *args[1:])
+    with pytest.raises(ValueError, match="activation must be 0"):
+        MlpFunction.apply(1, 3, *args)
+    with pytest.raises(ValueError, match="one weight and one bias per layer"):
+        MlpFunction.apply(1, 1, *args[:-1])
 
 
 @pytest.mark.quick

@@ -5,6 +5,7 @@ papers and Apex's kernels) where torch has none."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import math
 import warnings
 
@@ -227,7 +228,14 @@ def scaled_run(make, *, unscale=False, overflow_at=None, steps=4):
 @pytest.mark.parametrize("how", [{}, {"unscale": True}, {"overflow_at": 2}])
 def test_capturable_fused_adam_takes_the_grad_scaler_like_torch(how):
     a, opt, scaler = scaled_run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1, capturable=True), **how)
-    b, _, ref_scaler = scaled_run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True), **how)
+    # Capturable FusedAdam keeps lr as an FP32 tensor, as Apex's does (its kernel reads a float*), so
+    # the reference takes the same FP32 lr. torch's fused kernel derives the step size
+    # lr / (1 - beta1**t) in FP64 and rounds it to FP32: from 0.01 and from FP32's 0.01
+    # (0.009999999776...) it rounds alike at t = 1, 2, 3 and one ulp apart at t = 4, so a float lr
+    # matched only runs of three steps. With equal inputs both run the same kernel on the same
+    # values, so they agree bit for bit on any CPU.
+    b, _, ref_scaler = scaled_run(lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2, dtype=torch.float32),
+                                                               weight_decay=0.1, fused=True), **how)
     assert same(a, b)
     assert scaler.get_scale() == ref_scaler.get_scale()
     assert opt._step_supports_amp_scaling
@@ -408,8 +416,20 @@ def test_mixed_precision_lamb_masters_follow_fp32_lamb():
     a = make_params(torch.bfloat16)
     opt = FusedMixedPrecisionLamb(a, lr=1e-2, reduced_precision_dtype=torch.bfloat16)
     b = [nn.Parameter(p.detach().float()) for p in a]
-    train_beside(opt, a, FusedLAMB(b, lr=1e-2), b, steps=3, scale=3.0)
-    assert_masters_are(opt, a, b)
+    train_beside(opt, a, FusedMixedPrecisionLamb(b, lr=1e-2), b, steps=3, scale=3.0)
+    assert_masters_are(opt, a, b)  # the masters are the same optimizer's FP32 run, bit for bit
+    # ... and FusedLAMB's, to rounding: Apex's two LAMB kernels take the bias corrections
+    # 1 - beta**step in FP32 (multi_tensor_lamb_mp, from the step tensor) and in FP64 (FusedLAMB,
+    # on the host), as the stand-ins do; 1 - 0.999**1 differs by 1.3e-5 relative between the two.
+    # The trust ratio cancels most of it; what is left is an ulp or two, and whether it shows
+    # depends on the CPU's vector width (ATEN_CPU_CAPABILITY=default differs after 3 steps)
+    c = [nn.Parameter(p.float()) for p in make_params(torch.bfloat16)]
+    ref = FusedLAMB(c, lr=1e-2)
+    for i in range(3):
+        for q, g in zip(c, grads_at(i, torch.bfloat16, scale=3.0)):
+            q.grad = g.float()
+        ref.step()
+    close([opt.state[p]["master_param"] for p in a], [q.detach() for q in c])  # float32's default rtol, 1.3e-6
     assert all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in a)
     group = opt.param_groups[0]
     assert isinstance(group["lr"], torch.Tensor) and group["step"].tolist() == [3]
@@ -625,6 +645,106 @@ def test_multi_tensor_unscale_l2norm_leaves_the_tensors():
     torch.testing.assert_close(each, torch.stack([(t / 64).norm() for t in ts]))
     torch.testing.assert_close(total, torch.cat([t / 64 for t in ts]).norm().reshape(1))
     assert same(ts, before)
+
+
+def test_multi_tensor_unscale_l2norm_has_apex_shapes_and_unscales_before_squaring():
+    ts = [torch.randn(6, dtype=torch.float16), torch.full((5,), 1e20), torch.randn(3, 2)]
+    inv = torch.tensor([1e-10])
+    f = flag()
+    total, each = amp_C.multi_tensor_unscale_l2norm(0, f, [ts], inv, True)
+    # Apex's kernel multiplies each element by inv_scale before squaring it in FP32: 1e20's square
+    # would overflow, (1e20 * 1e-10)'s does not
+    want = torch.stack([(t.float() * 1e-10).norm() for t in ts])
+    assert total.shape == (1,) and each.shape == (3,) and total.dtype == each.dtype == torch.float32
+    torch.testing.assert_close(each, want)
+    torch.testing.assert_close(total, want.norm().reshape(1))
+    assert torch.isfinite(total).all() and f.item() == 0
+    total, none = amp_C.multi_tensor_unscale_l2norm(0, f, [ts], inv, False)
+    assert total.shape == (1,) and none.shape == (0,)
+    for kernel in (amp_C.multi_tensor_l2norm, amp_C.multi_tensor_l2norm_mp):
+        total, each = kernel(0, f, [ts[:1]], True)
+        assert total.shape == (1,) and each.shape == (1,)
+    total, each = amp_C.multi_tensor_l2norm_scale(0, f, [ts[:1], [torch.empty(6)]], 0.5, True)
+    assert total.shape == (1,) and each.shape == (1,)
+    ts[2][0, 0] = float("inf")
+    amp_C.multi_tensor_unscale_l2norm(0, f, [ts], inv, False)
+    assert f.item() == 1
+
+
+def f32(x):
+    """``x`` rounded to FP32, as C's double-to-float conversion rounds it."""
+    return ctypes.c_float(x).value
+
+
+def hysteresis_reference(calls, scale, growth_factor, backoff_factor, growth_interval, hysteresis):
+    """Apex's update_scale_hysteresis kernel (csrc/update_scale_hysteresis.cu), one Python
+    float per tensor; built with --use_fast_math, it reads and writes FP32 subnormals as 0."""
+    tiny = torch.finfo(torch.float32).tiny
+    ftz = lambda v: 0.0 if abs(v) < tiny else v  # noqa: E731
+    scale, growth, hyst, out = f32(scale), 0, hysteresis, []
+    for found in calls:
+        found = ftz(found)
+        if found > 0:
+            hyst -= 1
+            if hyst > 0:
+                growth = 0
+                out.append((scale, growth, hyst))
+                continue
+        if found != 0:  # NaN too: C reads any non-zero float as true
+            scale = ftz(f32(ftz(scale) * backoff_factor))
+            growth = 0
+        elif growth + 1 == growth_interval:
+            grown = ftz(f32(ftz(scale) * growth_factor))
+            if math.isfinite(grown):
+                scale = grown
+            growth = 0
+        else:
+            growth += 1
+        if found <= 0:
+            hyst = hysteresis
+        out.append((scale, growth, hyst))
+    return out
+
+
+@pytest.mark.parametrize("scale, growth_factor, backoff_factor, growth_interval, hysteresis", [
+    (65536.0, 2.0, 0.5, 3, 2),
+    (2.0 ** -120, 4.0, 0.25, 2, 1),  # backs off into FP32's subnormals: 0, as Apex's kernel gives
+    (3.0e38, 4.0, 0.5, 1, 3),  # a growth past FP32's range is refused
+    (1000.0, 1.5, 0.3, 4, 3),  # products that round
+])
+def test_update_scale_hysteresis_is_apex_kernel(scale, growth_factor, backoff_factor, growth_interval, hysteresis):
+    g = torch.Generator().manual_seed(int(scale) % 97 + hysteresis)
+    codes = torch.randint(0, 10, (200,), generator=g).tolist()
+    # mostly clean steps and overflows, with runs of each, and the odd -1 and NaN
+    calls = [float("nan") if c == 9 else -1.0 if c == 8 else 1.0 if c < 3 else 0.0 for c in codes]
+    calls[20:40] = [1.0] * 20
+    want = hysteresis_reference(calls, scale, growth_factor, backoff_factor, growth_interval, hysteresis)
+    s = torch.tensor([scale])
+    growth = torch.zeros(1, dtype=torch.int32)
+    hyst = torch.tensor([hysteresis], dtype=torch.int32)
+    found = torch.zeros(1)
+    for i, (call, (w_scale, w_growth, w_hyst)) in enumerate(zip(calls, want)):
+        found.fill_(call)
+        out = amp_C.update_scale_hysteresis(s, growth, hyst, found, growth_factor, backoff_factor,
+                                            growth_interval, hysteresis)
+        assert out is s
+        assert (s.item(), growth.item(), hyst.item()) == (w_scale, w_growth, w_hyst), f"call {i}"
+    assert s.dtype == torch.float32 and growth.dtype == hyst.dtype == torch.int32
+
+
+def test_update_scale_hysteresis_waits_then_backs_off_and_checks_dtypes():
+    s, growth = torch.tensor([1024.0]), torch.tensor([5], dtype=torch.int32)
+    hyst, inf = torch.tensor([2], dtype=torch.int32), torch.ones(1)
+    amp_C.update_scale_hysteresis(s, growth, hyst, inf, 2.0, 0.5, 10, 2)
+    assert (s.item(), growth.item(), hyst.item()) == (1024.0, 0, 1)  # the first overflow is absorbed
+    amp_C.update_scale_hysteresis(s, growth, hyst, inf, 2.0, 0.5, 10, 2)
+    assert (s.item(), growth.item(), hyst.item()) == (512.0, 0, 0)
+    amp_C.update_scale_hysteresis(s, growth, hyst, torch.zeros(1), 2.0, 0.5, 10, 2)
+    assert (s.item(), growth.item(), hyst.item()) == (512.0, 1, 2)  # a clean step resets the hysteresis
+    with pytest.raises(RuntimeError, match="growth_tracker must be a torch.int32"):
+        amp_C.update_scale_hysteresis(s, growth.long(), hyst, inf, 2.0, 0.5, 10, 2)
+    with pytest.raises(RuntimeError, match="current_scale must be a torch.float32"):
+        amp_C.update_scale_hysteresis(s.double(), growth, hyst, inf, 2.0, 0.5, 10, 2)
 
 
 @pytest.mark.quick

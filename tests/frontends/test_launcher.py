@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -482,3 +483,43 @@ def test_a_model_built_after_initialize_returns_fp32_from_its_outermost_call(tmp
     assert out["pickled"] == want, "a pickled model carries no hook of amp_patch's that cannot be pickled"
     assert dict(torch_module._global_forward_pre_hooks) == pre_hooks
     assert not out["late"]._forward_hooks and not out["other"]._forward_hooks, "the launcher's hooks are gone"
+
+
+_FP16_ON_CPU = """
+import torch, torch.nn as nn
+{imp}
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+{own}
+out = model(torch.randn(4, 8))
+"""
+
+
+@pytest.mark.parametrize("front", ["amp_patch", "apex", None])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_fp16_on_the_cpu_is_warned_once_whoever_initializes(tmp_path, monkeypatch, level, front):
+    """``--half-dtype float16`` on the CPU: the warning initialize gives comes once,
+    pointing at the script, when the launcher's level runs and when the script's
+    own initialize takes that same level (it replaces the launcher's session,
+    whose held warning must not swallow the script's)."""
+    from amp_patch import diagnostics
+
+    if torch.cuda.is_available():
+        pytest.skip("the launcher's own level would pick the GPU")
+    monkeypatch.setattr(diagnostics.notices, "_warned", set())
+    imp, own = {
+        "amp_patch": ("import amp_patch", f"model, opt = amp_patch.initialize(model, opt, opt_level={level!r})"),
+        "apex": ("from apex import amp", f"model, opt = amp.initialize(model, opt, opt_level={level!r})"),
+        None: ("", ""),
+    }[front]
+    script = write(tmp_path, "fp16.py", _FP16_ON_CPU.format(imp=imp, own=own))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        launcher.run(str(script), [], Settings.resolve(opt_level=level, half_dtype="float16"))
+    said = [w for w in caught if issubclass(w.category, amp_patch.AmpWarning) and "float16 on the CPU" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in said]
+    assert f"{level} runs in float16 on the CPU" in str(said[0].message)
+    lines = script.read_text().splitlines()
+    where = next(i for i, line in enumerate(lines, 1) if (own and own in line) or (not own and "out = model(" in line))
+    assert (said[0].filename, said[0].lineno) == (str(script), where)
+    assert not amp_patch.is_initialized()

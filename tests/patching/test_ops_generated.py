@@ -542,6 +542,8 @@ ATEN_NAMES: Dict[str, Optional[str]] = {
     "torch.nn.functional.multilabel_soft_margin_loss": None,
     # The sample pads in 'reflect' mode on two dimensions.
     "torch.nn.functional.pad": "reflection_pad2d",
+    # F.max_unpool1d unpools a 2-D view of its input.
+    "torch.nn.functional.max_unpool1d": "max_unpool2d",
 }
 SPECIAL_ALIASES = {"expm1", "exp2", "log1p", "logsumexp", "softmax", "log_softmax", "erfinv"}
 

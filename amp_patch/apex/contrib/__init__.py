@@ -7,4 +7,12 @@ Served: ``clip_grad`` (``clip_grad_norm_``), ``xentropy``
 (``GroupNorm``). The rest of ``apex.contrib`` (fused attention, sparsity,
 transducer, ...) is not served: importing it names the torch replacement
 (``amp_patch.apex.standins.REPLACEMENTS``).
+
+Each served submodule is an attribute too, imported on first use: after a
+bare ``import apex``, ``apex.contrib.optimizers.FP16_Optimizer`` works, as in
+Apex (where ``import apex`` imported ``apex.amp``, which imported
+``apex.contrib.optimizers``).
 """
+from .._submodules import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # the submodules not imported above, on first use

@@ -1,4 +1,4 @@
-"""``apex.mlp``: ``MLP``."""
-from .mlp import MLP
+"""``apex.mlp``: ``MLP``, its autograd function ``MlpFunction`` and ``mlp_function``."""
+from .mlp import MLP, MlpFunction, mlp_function
 
-__all__ = ["MLP"]
+__all__ = ["MLP", "MlpFunction", "mlp_function"]

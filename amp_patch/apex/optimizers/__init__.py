@@ -34,6 +34,7 @@ from torch.optim.optimizer import required
 from torch.optim.sgd import sgd as _torch_sgd
 
 from ...patching.cast import CASTABLE, LOW
+from .._submodules import submodule_getattr
 from ..fused_adam_cuda import adam_foreach as _legacy_adam
 from .fp16_optimizer import FP16_Optimizer
 
@@ -927,3 +928,6 @@ class FusedNovoGrad(_Fused):
                           start=first and not group["init_zero"])
                 _copy_back(ps + exp_avgs, work + work_avgs)
         return loss
+
+
+__getattr__ = submodule_getattr(__name__)  # the submodules (fused_adam, ...), on first use

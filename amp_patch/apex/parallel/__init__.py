@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch.distributed
 
+from .._submodules import submodule_getattr
 from . import LARC
 from .distributed import DistributedDataParallel, Reducer
 from .sync_batchnorm import SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group
@@ -21,3 +22,5 @@ ReduceOp = torch.distributed.ReduceOp
 
 __all__ = ["DistributedDataParallel", "LARC", "ReduceOp", "Reducer", "SyncBatchNorm", "convert_syncbn_model",
            "create_syncbn_process_group"]
+
+__getattr__ = submodule_getattr(__name__)  # the submodules not imported above, on first use
