@@ -13,8 +13,9 @@ Scenarios:
     spreads it; with ``no_sync()`` accumulation, and with unrelated models per
     rank, amp_patch all-reduces the overflow flag itself).
   * FSDP ``fully_shard`` under O1 (function patching) trains and matches DDP;
-    O2 on an FSDP model (``fully_shard`` or ``FullyShardedDataParallel``) is
-    refused at ``initialize`` with a message that names the alternatives.
+    O3 on a ``fully_shard`` model and O2 on a ``FullyShardedDataParallel`` one
+    are refused at ``initialize`` with a message that names the alternatives
+    (O2/O5 on ``fully_shard``: ``test_fsdp.py``).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ INF_CASES = ["inf-O1-plain", "inf-O2-scale_loss", "nosync-O1", "nosync-O2", "sep
 ACCUM_CASES = ["accum-O1", "accum-O2", "accum-O2-scale_loss"]
 MICRO = 3
 FSDP_CASES = ["fsdp-O1-bfloat16", "fsdp-O1-float16"]
-REFUSED = ["fsdp2-O2", "fsdp1-O2"]
+REFUSED = ["fsdp2-O3", "fsdp1-O2"]
 
 # ============================================================ the worker side
 
@@ -234,7 +235,7 @@ def _refused_case(rank, kind):
 
     before = Snapshot()
     model = _net(norm="layer")
-    if kind == "fsdp2-O2":
+    if kind == "fsdp2-O3":
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model[0])
@@ -246,7 +247,7 @@ def _refused_case(rank, kind):
     dtypes = {p.dtype for p in model.parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     try:
-        amp_patch.initialize(model, opt, "O2", half_dtype=torch.bfloat16)
+        amp_patch.initialize(model, opt, kind.rsplit("-", 1)[1], half_dtype=torch.bfloat16)
     except Exception as e:
         error = (type(e).__name__, str(e))
     else:
@@ -388,21 +389,21 @@ def test_fsdp_fully_shard_under_o1_matches_ddp(ranks, name):
             assert v.dtype == torch.float32, k
             torch.testing.assert_close(v, ddp["state"][k], rtol=1e-4, atol=1e-5)
         assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-3)
-        # fully_shard's parameters are DTensors: torch's own step; DDP's plain ones take the
-        # one-pass step where it is built and exact for AdamW
-        assert fsdp["counters"]["optimizers"][0]["one_pass"] == 0
+        # the one-pass step, where it is built and exact for AdamW, takes every step: on
+        # fully_shard's DTensors it steps each rank's local shards
         exact = ddp["one_pass_built"] and ddp["sqrt_mode"] != "approximate"
-        assert ddp["counters"]["optimizers"][0]["one_pass"] == (STEPS - ddp["counters"]["skipped"] if exact else 0)
+        for r in (fsdp, ddp):
+            assert r["counters"]["optimizers"][0]["one_pass"] == (STEPS - r["counters"]["skipped"] if exact else 0)
 
 
 @pytest.mark.parametrize("kind", REFUSED)
-def test_o2_on_an_fsdp_model_is_refused_with_a_clear_error(ranks, kind):
+def test_o3_on_fsdp2_and_o2_on_fsdp1_are_refused_with_a_clear_error(ranks, kind):
     for r in case_results(ranks, kind):
-        assert r["error"] is not None, "initialize accepted an FSDP model at O2"
+        assert r["error"] is not None, f"initialize accepted {kind}"
         cls, msg = r["error"]
         assert cls == "ConfigError"
         assert "FSDP" in msg and "opt_level='O1'" in msg and "MixedPrecision" in msg
-        assert ("fully_shard" if kind == "fsdp2-O2" else "FullyShardedDataParallel") in msg
+        assert ("fully_shard" if kind == "fsdp2-O3" else "FullyShardedDataParallel") in msg
         assert r["changed"] == [] and not r["initialized"]
         assert r["dtypes_after"] == r["dtypes_before"] == ["torch.float32"]
 

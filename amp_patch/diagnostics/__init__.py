@@ -1,11 +1,13 @@
 """What amp_patch tells the user: warnings at ``initialize`` (``setup_checks``),
 where an overflow came from (``overflow``), which ops ran in which precision
-(``stats``, ``report``), and how it warns (``notices``)."""
+(``stats``, ``report``), the true loss of each backward for ``plot()``
+(``losses``), and how it warns (``notices``)."""
 from __future__ import annotations
 
+from .losses import record_loss
 from .notices import AmpWarning, forget_warned, warn_user
 from .overflow import arm_find_overflow, find_overflow, last_overflow, on_skipped_step
 from .setup_checks import warn_at_initialize
 
 __all__ = ["AmpWarning", "arm_find_overflow", "find_overflow", "forget_warned", "last_overflow", "on_skipped_step",
-           "warn_at_initialize", "warn_user"]
+           "record_loss", "warn_at_initialize", "warn_user"]

@@ -64,6 +64,11 @@ def _first_non_finite(obj: object) -> Optional[torch.Tensor]:
 _CAST_OPS = frozenset(("torch.Tensor", n) for n in ("to", "half", "bfloat16", "float"))
 
 
+#: factories whose output is uninitialized memory, which may hold any bit pattern,
+#: NaN and inf included: what they return is no overflow (the op that fills it is watched)
+_UNINITIALIZED = frozenset(("empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"))
+
+
 def _running_wrapper_op(names: modes.OpNames) -> Optional[str]:
     """The patched op whose casting wrapper is on the stack, if any.
 
@@ -267,7 +272,8 @@ class _OverflowWatch:
         # scaler handle gradients that may hold inf by design.
         if self.event is not None or not self.armed or not torch.is_grad_enabled():
             return
-        if getattr(func, "__name__", None) == "__get__":
+        name = getattr(func, "__name__", None)
+        if name == "__get__" or name in _UNINITIALIZED:
             return
         hooked = set()
         for t in _tensors(out):

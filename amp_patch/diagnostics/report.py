@@ -3,19 +3,22 @@
 ``report()`` gathers the op ledger (``collect_stats=True``), every loss
 scaler's history of ``(step, scale, skipped)`` and the last overflow
 provenance into one ``Report``: ``str()`` is a table for people,
-``to_dict()`` the same for programs. ``plot(path)`` draws the loss-scale
-histories with matplotlib, the optional extra ``plot``.
+``to_dict()`` the same for programs. ``plot(path)`` draws the loss of every
+backward beside the loss-scale histories with matplotlib, the optional extra
+``plot``.
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..base import running
 from ..base.errors import StateError
 from ..patching import attention
+from . import losses as loss_log
 from .notices import warn_user
 from .overflow import history_entry, last_overflow
 from .stats import dtype_name
@@ -96,11 +99,15 @@ class Report:
         attention: under ``cast_policy="auto"`` (O2/O5's default): one dict per
             attention shape class measured in this process, with the dtype its
             calls run in and the two timings (``patching.attention``).
+        losses: ``(loss_id, step, loss)`` of every backward amp_patch scaled
+            (a plain ``loss.backward()`` or a ``scale_loss`` block), the true
+            loss, newest 10,000; empty where ``Tensor.backward`` is not patched
+            (O0, O3 at a static scale of 1).
     """
 
     def __init__(self, opt_level: str, half_dtype: str, device: str, collecting: bool,
                  ledger: Dict[str, Any], loss_scale: List[Dict[str, Any]], overflow: Optional[Provenance],
-                 attention: Optional[List[Dict[str, Any]]] = None):
+                 attention: Optional[List[Dict[str, Any]]] = None, losses: "Optional[loss_log.LossLog]" = None):
         self.opt_level = opt_level
         self.half_dtype = half_dtype
         self.device = device
@@ -110,6 +117,12 @@ class Report:
         self.loss_scale = loss_scale
         self.overflow = overflow
         self.attention: List[Dict[str, Any]] = attention or []
+        self._losses = losses  # read on the host only when asked: no sync at deinitialize
+
+    @property
+    def losses(self) -> List[Tuple[int, int, float]]:
+        """``(loss_id, step, loss)`` of every backward recorded, oldest first."""
+        return self._losses.rows() if self._losses is not None else []
 
     def to_dict(self) -> Dict[str, Any]:
         """Everything in the report as plain Python values (JSON-ready)."""
@@ -123,6 +136,7 @@ class Report:
             "loss_scale": self.loss_scale,
             "overflow": None if self.overflow is None else self.overflow.to_dict(),
             "attention": self.attention,
+            "losses": [list(r) for r in self.losses],
         }
 
     def __str__(self) -> str:
@@ -130,6 +144,7 @@ class Report:
         lines += self._ops_lines()
         lines += self._attention_lines()
         lines += self._scale_lines()
+        lines += self._loss_lines()
         if self.overflow is not None:
             lines.append("last overflow:")
             lines += ["  " + line for line in str(self.overflow).splitlines()]
@@ -211,6 +226,20 @@ class Report:
                 f"  loss {s['loss_id']}: {s['steps']} steps, {s['skipped']} skipped{where}; "
                 f"scale {_num(s['scale'])} now (min {_num(s['min_scale'])}, max {_num(s['max_scale'])}){static}"
             )
+        return lines
+
+
+    def _loss_lines(self) -> List[str]:
+        if not self.losses:
+            return []
+        lines = ["loss (the true loss of each backward):"]
+        for lid in sorted({r[0] for r in self.losses}):
+            vals = [(step, v) for i, step, v in self.losses if i == lid]
+            finite = [v for _, v in vals if math.isfinite(v)]
+            bad = [step for step, v in vals if not math.isfinite(v)]
+            low = f", min {min(finite):.4g}" if finite else ""
+            lines.append(f"  loss {lid}: {len(vals)} backwards, first {vals[0][1]:.4g}, last {vals[-1][1]:.4g}{low}"
+                         + (f"; {len(bad)} not finite (the first at step {bad[0]})" if bad else ""))
         return lines
 
 
@@ -307,6 +336,7 @@ def report_of(amp: "Session") -> Report:
         overflow=last_overflow(amp),
         attention=[{k: dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in row.items()}
                    for row in attention.decisions()] if amp.config.cast_policy == "auto" else [],
+        losses=loss_log.peek(amp),
     )
 
 
@@ -336,16 +366,60 @@ def reset_stats() -> None:
 PLOT_EXTRA_HINT = "pip install -e '.[plot]' in a checkout of amp_patch, or pip install matplotlib"
 
 
-def plot(path: "str | os.PathLike[str]") -> str:
-    """Write a PNG of each loss scaler's scale and skipped steps over steps.
+def _loss_curves(rep: Report, given: Optional[Sequence[object]]) -> List[Tuple[str, List[int], List[float]]]:
+    """``(label, steps, losses)`` to draw: the ``given`` per-step losses, or the
+    recorded ones, one curve per loss id, averaged over the backwards of a step
+    (gradient accumulation)."""
+    if given is not None:
+        vals = [float(v.detach().float().reshape(()).cpu()) if isinstance(v, torch.Tensor) else float(v) for v in given]
+        return [("loss", list(range(len(vals))), vals)] if vals else []
+    curves = []
+    for lid in sorted({r[0] for r in rep.losses}):
+        per_step: Dict[int, List[float]] = {}
+        for i, step, v in rep.losses:
+            if i == lid:
+                per_step.setdefault(step, []).append(v)
+        steps = sorted(per_step)
+        curves.append((f"loss {lid}", steps, [sum(per_step[st]) / len(per_step[st]) for st in steps]))
+    return curves
 
-    Draws the running AMP's loss scalers (after ``deinitialize``, the last
-    run's). A run that scales no loss (BF16) draws its static scale of 1.0
-    over the steps it took. With no step yet there is nothing to draw: the
-    PNG says so, and so does an ``AmpWarning``.
+
+def _draw_losses(ax: Any, curves: List[Tuple[str, List[int], List[float]]], skipped: Dict[str, set]) -> None:
+    finite_all = [v for _, _, vals in curves for v in vals if math.isfinite(v)]
+    for label, steps, vals in curves:
+        line = ax.plot([st for st, v in zip(steps, vals) if math.isfinite(v)], [v for v in vals if math.isfinite(v)],
+                       label=label, lw=1.2)[0]
+        bad = [st for st, v in zip(steps, vals) if not math.isfinite(v)]
+        if bad:
+            top = max(finite_all) if finite_all else 1.0
+            ax.plot(bad, [top] * len(bad), "^", color="red", ms=4, label=f"{label}: inf/NaN ({len(bad)} steps)")
+        sk = skipped.get(label, set())
+        pts = [(st, v) for st, v in zip(steps, vals) if st in sk and math.isfinite(v)]
+        if pts:
+            ax.plot(*zip(*pts), "x", color=line.get_color(), label=f"{label}: step skipped")
+    if finite_all and min(finite_all) > 0 and max(finite_all) / min(finite_all) > 50:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(loc="best", fontsize="small")
+
+
+def plot(path: "str | os.PathLike[str]", losses: Optional[Sequence[object]] = None) -> str:
+    """Write a PNG of the loss over the steps beside each loss scaler's scale and skipped steps.
+
+    Draws the running AMP's figures (after ``deinitialize``, the last run's).
+    The loss is the true (unscaled) loss of every backward amp_patch scaled,
+    one point per optimizer step (the mean of its backwards), with the skipped
+    steps marked and inf/NaN losses drawn at the top; a run whose
+    ``Tensor.backward`` is not patched (O0, O3 at a static scale of 1) records
+    none, and ``losses=`` draws yours instead. A run that scales no loss (BF16)
+    draws its static scale of 1.0 over the steps it took. With no step yet
+    there is nothing to draw: the PNG says so, and so does an ``AmpWarning``.
 
     Args:
         path: where to write the PNG.
+        losses: per-step losses to draw (numbers or one-element tensors, step
+            0 first) in place of the recorded ones.
 
     Returns:
         the path written, as a string.
@@ -372,15 +446,29 @@ def plot(path: "str | os.PathLike[str]") -> str:
         raise StateError("amp_patch.plot() has no run to draw yet: call it after amp_patch.initialize(...) and some steps")
     rep = report()
     histories = [(s["loss_id"], s["history"]) for s in rep.loss_scale if s["history"]]
+    curves = _loss_curves(rep, losses)
     # Figure + Agg canvas rather than pyplot: no global backend or figure state.
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    FigureCanvasAgg(fig)
-    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": (3, 1)})
+    if curves:  # the loss on the left, the scale and the skipped steps on the right
+        fig = Figure(figsize=(12.5, 5), layout="constrained")
+        FigureCanvasAgg(fig)
+        grid = fig.add_gridspec(2, 2, height_ratios=(3, 1))
+        left = fig.add_subplot(grid[:, 0])
+        top = fig.add_subplot(grid[0, 1])
+        bottom = fig.add_subplot(grid[1, 1], sharex=top)
+        skipped = {f"loss {lid}": {st for st, _, sk in rows if sk} for lid, rows in histories} if losses is None else {}
+        _draw_losses(left, curves, skipped)
+        left.set_title(f"amp_patch loss ({rep.opt_level}, {rep.half_dtype})" + (": as given" if losses is not None else ""))
+        top.tick_params(labelbottom=False)
+    else:
+        fig = Figure(figsize=(8, 5), layout="constrained")
+        FigureCanvasAgg(fig)
+        top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": (3, 1)})
     title = f"amp_patch loss scale ({rep.opt_level}, {rep.half_dtype})"
     if not histories:
         why = "no optimizer step yet (each step adds a point)" if rep.loss_scale else "this run has no loss scaler"
         top.text(0.5, 0.5, f"nothing to draw: {why}", ha="center", va="center", transform=top.transAxes)
-        warn_user(f"amp_patch.plot(): nothing to draw in {os.fspath(path)}: {why}")
+        if not curves:
+            warn_user(f"amp_patch.plot(): nothing to draw in {os.fspath(path)}: {why}")
     for loss_id, rows in histories:
         steps = [r[0] for r in rows]
         line = top.step(steps, [r[1] for r in rows], where="post", label=f"loss {loss_id}")[0]

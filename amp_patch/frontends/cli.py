@@ -6,6 +6,8 @@ Subcommands:
 * ``lists`` - print the effective op policy after overrides.
 * ``check`` - validate op-list override files.
 * ``demo``  - train a small network in FP32, O1 and O2 and compare.
+* ``compare`` - run a training script at several opt levels and compare its
+  loss step by step (see ``compare``).
 * ``check-script`` - list the Apex names a script uses and whether amp_patch
   serves each, without running it (see ``scan``).
 
@@ -34,7 +36,7 @@ from ..base.errors import AmpError
 from ..oplists import view
 from ..patching import wrappers
 from ..config import OPT_LEVELS, PRESETS, parse_dtype
-from . import launcher, scan
+from . import compare, launcher, scan
 
 PROG = "amp-patch"
 HALF_CHOICES = "float16|bfloat16"
@@ -167,7 +169,7 @@ def _main_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Automatic mixed precision for existing PyTorch code.", allow_abbrev=False)
     p.add_argument("--version", action="store_true",
                    help="print the versions of amp_patch, torch and Python, and whether the C fast path is in use")
-    sub = p.add_subparsers(dest="command", metavar="{run,lists,check,check-script,demo}")
+    sub = p.add_subparsers(dest="command", metavar="{run,lists,check,check-script,demo,compare}")
     sub.add_parser("run", help="run a training script with AMP on, unmodified", add_help=False)
     lists = sub.add_parser("lists", help="print the effective op policy after overrides", allow_abbrev=False)
     lists.add_argument("--lists", metavar="FILE.yaml", action="append", default=[], help="op-list override; repeatable (added to $AMP_PATCH_LISTS)")
@@ -182,6 +184,8 @@ def _main_parser() -> argparse.ArgumentParser:
     script.add_argument("script", metavar="SCRIPT.py")
     script.set_defaults(parser=script)
     sub.add_parser("demo", help="train a small network in FP32, O1 and O2 and compare", add_help=False)
+    sub.add_parser("compare", help="run a training script at FP32, O1 and O2 (or --levels) and compare its loss step by step",
+                   add_help=False)
     return p
 
 
@@ -252,10 +256,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         amp-patch lists --half-dtype float16 --format yaml
         amp-patch check my_lists.yaml
         amp-patch check-script train.py
+        amp-patch compare --steps 200 train.py --epochs 1
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("run", "demo"):
+    if argv and argv[0] in ("run", "demo", "compare"):
         try:
+            if argv[0] == "compare":
+                return compare.main(argv[1:])
             return _cmd_run(argv[1:]) if argv[0] == "run" else _cmd_demo(argv[1:])
         except _UsageExit as e:
             return e.code

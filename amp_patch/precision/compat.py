@@ -4,10 +4,11 @@
 FSDP (``torch.distributed.fsdp.fully_shard`` and the older
 ``FullyShardedDataParallel``) shards a model's parameters, replaces them with
 DTensors or flat parameters, and all-gathers them in the dtype its own
-mixed-precision policy names. Casting such a model to half and giving its
-optimizer FP32 masters (O2/O3/O5) would fight FSDP over the same tensors, so
-those levels refuse an FSDP model and say what to use instead. O1/O4 leave
-the parameters alone (they patch functions) and work with FSDP.
+mixed-precision policy names. O1/O4 leave the parameters alone (they patch
+functions) and work with both. O2/O5 on a ``fully_shard`` (FSDP2) model set
+FSDP's policies instead of casting the model (``fsdp``, which checks what it
+cannot do); O3, and any half level on ``FullyShardedDataParallel``, would fight
+FSDP over the same tensors, so they refuse the model and say what to use.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import nn
 from ..base.errors import ConfigError
 from ..config import AmpConfig
 from ..patching.cast import LOW
+from . import fsdp
 
 
 def fsdp_wrapped(model: nn.Module) -> List[Tuple[str, str]]:
@@ -40,7 +42,8 @@ def fsdp_wrapped(model: nn.Module) -> List[Tuple[str, str]]:
 
 
 def check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
-    """Refuse to cast an FSDP model to half precision.
+    """Refuse to cast an FSDP model to half precision, except FSDP2 under
+    O2/O5 (``fsdp.check`` says what it refuses there).
 
     Raises:
         ConfigError: naming the model, the wrapped module and what to use.
@@ -52,20 +55,18 @@ def check_models(models: Sequence[nn.Module], config: AmpConfig) -> None:
         found = fsdp_wrapped(m)
         if not found:
             continue
-        where, kind = found[0]
-        if kind == "fully_shard":
-            native = (
-                "fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-                "reduce_dtype=torch.float32))"
-            )
-        else:
-            native = (
-                "FullyShardedDataParallel(module, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, "
-                "reduce_dtype=torch.float32))"
-            )
+        if all(kind == "fully_shard" for _, kind in found):
+            fsdp.check_model(i, m, config)
+            continue
+        where, kind = next(f for f in found if f[1] != "fully_shard")
+        native = (
+            "FullyShardedDataParallel(module, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, "
+            "reduce_dtype=torch.float32))"
+        )
         raise ConfigError(
             f"model {i} ({type(m).__name__}) is sharded by FSDP ({kind} on {where}), which owns its "
             f"parameters and their dtype; opt_level={config.opt_level!r} would cast them to {half} and keep "
-            f"FP32 masters beside FSDP's shards. Use opt_level='O1' (or 'O4' for BF16), which leaves the "
-            f"parameters alone, or let FSDP keep the FP32 weights and compute in half itself: {native}."
+            f"FP32 masters beside FSDP's flat parameters. Use opt_level='O1' (or 'O4' for BF16), which leaves the "
+            f"parameters alone; or shard with FSDP2's fully_shard instead, on which O2/O5 run with FSDP's FP32 "
+            f"shards as the masters; or let FSDP keep the FP32 weights and compute in half itself: {native}."
         )

@@ -40,8 +40,11 @@ none). Everything else takes the plain step (or, under ``fused_update=True``,
 the compiled one where that applies): other optimizers and subclasses,
 ``foreach``/``fused``/``capturable``/``differentiable`` set, a tensor
 learning rate, sparse or complex gradients, CUDA or non-contiguous tensors,
-tensor subclasses (FSDP2's DTensor), an optimizer whose ``step`` was replaced
-or that has step hooks, a closure.
+tensor subclasses other than FSDP2's DTensor (whose local shard it steps: a
+rank's shard is a plain tensor, and the step is elementwise, so stepping it is
+stepping the DTensor; the optimizer state it makes is DTensors, as torch's
+own step makes it), an optimizer whose ``step`` was replaced or that has step
+hooks, a closure.
 Without a C compiler at install the module is absent and every step is the
 plain one.
 """
@@ -55,6 +58,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from .fsdp import is_dtensor, local
 
 if TYPE_CHECKING:
     from .master import MasterWeights
@@ -158,12 +163,15 @@ def sqrt_mode() -> str:
 
 class Entry(NamedTuple):
     """One parameter's part of a step: its tensors and, where the optimizer state does
-    not exist yet (the first step), None for the state, which ``run`` creates."""
+    not exist yet (the first step), None for the state, which ``run`` creates.
+    For a DTensor parameter (FSDP2) the tensors are its local shard's and ``key``
+    is the parameter itself, which keys its optimizer state."""
 
     p: Tensor
     g: Tensor
     h: Optional[Tensor]
     state: Optional[Tuple[Optional[Tensor], ...]]  # (a, b, c, step): see _fusedstep.c's Item
+    key: Optional[Tensor] = None  # the optimizer's parameter where ``p`` is its local shard
 
 
 class Plan(NamedTuple):
@@ -184,6 +192,11 @@ def _plain(t: Tensor) -> bool:
     address. (Read per parameter at every step and per gradient in a backward:
     ``is_cpu`` costs a sixth of building ``t.device``.)"""
     return type(t) in _PLAIN and t.is_cpu and t.layout is _STRIDED and t.is_contiguous()
+
+
+def _own(t: Tensor) -> Tensor:
+    """``t``, or its local shard where it is a DTensor (FSDP2's optimizer state)."""
+    return t if type(t) in _PLAIN else local(t)
 
 
 def dense(t: Tensor, n: int) -> bool:
@@ -273,6 +286,12 @@ class KernelStep:
                 g = p.grad
                 if g is None:
                     continue
+                key = None
+                if type(p) not in _PLAIN and is_dtensor(p):
+                    # FSDP2's sharded parameter: its local shard, with the gradient's
+                    if not is_dtensor(g) or g.placements != p.placements or h is not None:
+                        return None
+                    key, p, g = p, local(p), local(g)
                 n = p.numel()
                 if p.dtype is not f32 or g.dtype not in KINDS or not dense(p, n) or not dense(g, n):
                     return None
@@ -280,10 +299,10 @@ class KernelStep:
                     if h.dtype not in KINDS or not dense(h, n):
                         return None
                     halfs.append(h)
-                state = self._state(state_of.get(p), group, n)
+                state = self._state(state_of.get(p if key is None else key), group, n)
                 if state is False:
                     return None
-                entries.append(Entry(p, g, h, state))
+                entries.append(Entry(p, g, h, state, key))
             groups.append((entries, halfs))
         if not any(entries for entries, _ in groups):
             return None  # no gradient at all: the plain step has nothing to do either
@@ -307,14 +326,15 @@ class KernelStep:
             a = s.get("momentum_buffer") if s else None
             if a is None:
                 return None
+            a = _own(a)
             return (a, None, None, None) if a.dtype is f32 and dense(a, n) else False
         if not s:
             return None if _get_scalar_dtype() == f32 else False
         amsgrad = group["amsgrad"]
         if "exp_avg" not in s or "exp_avg_sq" not in s or "step" not in s or (amsgrad and "max_exp_avg_sq" not in s):
             return False
-        a, b, step = s["exp_avg"], s["exp_avg_sq"], s["step"]
-        c = s["max_exp_avg_sq"] if amsgrad else None
+        a, b, step = _own(s["exp_avg"]), _own(s["exp_avg_sq"]), s["step"]
+        c = _own(s["max_exp_avg_sq"]) if amsgrad else None
         if not isinstance(step, Tensor) or step.dtype != f32 or not dense(step, 1):
             return False
         if any(t.dtype != f32 or not dense(t, n) for t in (a, b) + ((c,) if amsgrad else ())):
@@ -327,22 +347,30 @@ class KernelStep:
         state = self.opt.state
         items = []
         for e in entries:
-            p, g, h, st = e
+            p, g, h, st, key = e
+            owner = p if key is None else key  # the state's key, and what its tensors are made like
             init = 0
             if st is None:
                 if self.adam:
-                    s = state[p]
+                    s = state[owner]
                     s["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-                    s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    s["exp_avg"] = torch.zeros_like(owner, memory_format=torch.preserve_format)
+                    s["exp_avg_sq"] = torch.zeros_like(owner, memory_format=torch.preserve_format)
                     if group["amsgrad"]:
-                        s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st = (s["exp_avg"], s["exp_avg_sq"], s.get("max_exp_avg_sq"), s["step"])
+                        s["max_exp_avg_sq"] = torch.zeros_like(owner, memory_format=torch.preserve_format)
+                    st = (local(s["exp_avg"]), local(s["exp_avg_sq"]),
+                          local(s["max_exp_avg_sq"]) if group["amsgrad"] else None, s["step"])
                 else:  # SGD's first momentum buffer is the gradient itself: the kernel writes it
-                    buf = torch.empty_like(p, memory_format=torch.preserve_format)
-                    state[p]["momentum_buffer"] = buf
-                    st, init = (buf, None, None, None), 1
+                    buf = torch.empty_like(owner, memory_format=torch.preserve_format)
+                    state[owner]["momentum_buffer"] = buf
+                    st, init = (local(buf), None, None, None), 1
             a, b, c, step = st
+            if p.numel() == 0:
+                # an empty local shard (a parameter with fewer rows than ranks): nothing to
+                # update, but Adam's step count advances as torch's step advances it
+                if step is not None:
+                    step += 1
+                continue
             items.append((p.data_ptr(), g.data_ptr(), KINDS[g.dtype], _ptr(a), _ptr(b), _ptr(c), _ptr(h),
                           KINDS[h.dtype] if h is not None else 0, p.numel(), _ptr(step), init))
         return items
@@ -361,7 +389,9 @@ class KernelStep:
                 continue
             items = self._items(group, entries)
             threads = threads_for(sum(it[8] for it in items))
-            if self.adam:
+            if not items:
+                pass
+            elif self.adam:
                 b1, b2 = group["betas"]
                 decoupled = bool(group.get("decoupled_weight_decay", type(opt) is ADAMW))
                 native.adam(items, threads, inv, group["maximize"], group["weight_decay"], decoupled, group["lr"],
@@ -371,7 +401,8 @@ class KernelStep:
                            group["dampening"], group["nesterov"], group["lr"])
             # the weights changed in place behind autograd's back (the half model's, and
             # FP32 parameters that are the model's own): a graph that saved them must say so
-            torch.autograd.graph.increment_version([e.p for e in entries] + halfs)
+            torch.autograd.graph.increment_version([e.p for e in entries] + halfs
+                                                   + [e.key for e in entries if e.key is not None])
         self.steps += 1
         return True
 

@@ -212,14 +212,23 @@ class LateShard:
     ``initialize`` converted it is refused at its first forward, before FSDP's own
     hooks run (they would fail on the half and FP32 parameters of one unit, or
     train copies of the half weights the masters no longer reach), naming the
-    order that works. Each model is looked at once; the hook goes when all have been."""
+    order that works. Each model is looked at once; the hook goes when all have been,
+    or after ``LIMIT`` module calls (a script that only ever calls a model's parts)."""
+
+    LIMIT = 1000
 
     def __init__(self, models: Sequence[nn.Module]):
         self.pending = {id(m) for m in models}
+        self.calls = 0
         self.handle = nn.modules.module.register_module_forward_pre_hook(self)
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        if id(module) not in self.pending or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return  # nothing to trace into a graph: an eager call looks
+        self.calls += 1
+        if self.calls >= self.LIMIT:
+            self.handle.remove()
+        if id(module) not in self.pending:
             return
         self.pending.discard(id(module))
         if not self.pending:

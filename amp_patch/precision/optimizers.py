@@ -12,7 +12,7 @@ from ..base import running
 from ..base.errors import ConfigError, StateError
 from ..config import AmpConfig
 from ..patching.cast import LOW
-from . import fused, kernel, master
+from . import fsdp, fused, kernel, master
 
 if TYPE_CHECKING:
     from ..run.session import Session
@@ -52,7 +52,10 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
             "Let the opt level cast the model (drop cast_model_type=False), or drop master_weights."
         )
     if config.master_weights:
-        known = {id(p) for m in list(models) + (list(amp.models) if amp else []) for p in m.parameters()}
+        every = list(models) + (list(amp.models) if amp else [])
+        # a sharded model's own parameters may be the gathered ones just now (after a forward): its
+        # sharded DTensors are what an optimizer holds
+        known = {id(p) for m in every for p in m.parameters()} | fsdp.sharded_ids(every)
         if replacing is not None:
             for h in replacing.optimizer_handles.values():
                 mw = h.masters
@@ -68,7 +71,7 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
                             f"{where} is not a parameter of the model(s) passed to initialize. Under "
                             f"opt_level={config.opt_level!r} each model parameter in the optimizer is replaced by an "
                             f"FP32 master, so pass every model whose parameters the optimizer holds (or build the "
-                            f"optimizer from model.parameters())."
+                            f"optimizer from model.parameters())." + fsdp.stale_hint(every)
                         )
                     if id(p) in owner and owner[id(p)] != i:
                         raise ConfigError(
@@ -76,6 +79,7 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
                             f"parameter can belong to one optimizer only"
                         )
                     owner[id(p)] = i
+            fsdp.check_optimizer(i, opt, every)
     elif config.cast_model_type is None and not config.allow_half_params:
         # what the provisional session converted goes back to FP32 when it ends
         converted = {id(p) for rec in replacing.model_records for p, _ in rec.params} if replacing is not None else set()
@@ -167,7 +171,14 @@ def attach(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequen
             for opt in optimizers:
                 built[id(opt)] = (None, None, kernel.KernelStep(opt))
         return built
+    every = list(models) + list(amp.models)  # adopt_optimizer passes no models: the session's
+    shards = fsdp.sharded_ids(every) if any(fsdp.sharded(m) for m in every) else set()
     for opt in optimizers:
+        if shards and any(id(p) in shards for g in opt.param_groups for p in g["params"]):
+            # a fully_shard-ed model's FP32 shards are the masters (fsdp): the optimizer keeps
+            # them, and the one-pass step runs on each rank's local shards
+            built[id(opt)] = (None, None, kernel.KernelStep(opt) if kernel.native is not None else None)
+            continue
         mw = master.MasterWeights(opt, model_grads=config.model_grads)
         amp.undo.push(_Release(mw))
         for group in opt.param_groups:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Iterator, List
 
 import torch
 
+from .. import diagnostics
 from ..base import running
 from ..base.errors import ConfigError, StateError
 from ..precision import master
@@ -102,6 +103,7 @@ def scale_loss(
     if not amp.flight.enter("scale_loss"):
         raise StateError("amp_patch.scale_loss: amp_patch was deinitialized by another thread while this call waited")
     try:
+        diagnostics.record_loss(amp, loss, loss_id, scaler.steps)  # the true loss, for plot() and report()
         hooks: List[RemovableHandle] = []
         if scaler.active:
             hooks = patches.guard_foreign(run, loss, run.handles, loss_id, scaler.scale)[1]

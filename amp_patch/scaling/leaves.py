@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Iterable, List, Sequence
 
 import torch
 
+from ..precision import fsdp
+
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
@@ -36,14 +38,26 @@ Tensor = torch.Tensor
 def owned_ids(handles: Iterable["Handle"]) -> set:
     """``id`` of every tensor whose gradient amp_patch unscales for ``handles``:
     the parameters each optimizer steps and, under O2, the half model
-    parameters behind its FP32 masters."""
+    parameters behind its FP32 masters; under FSDP2 (whose optimizer holds the
+    sharded DTensors) the unsharded parameters FSDP gathers for the forward,
+    which are what a backward reaches."""
     ids = set()
+    models: list = []
+    sharded = set()
+    dtensor = fsdp.dtensor_type()  # None unless torch.distributed.tensor was imported
     for h in handles:
         for group in h.optimizer.param_groups:
-            ids.update(map(id, group["params"]))
+            params = group["params"]
+            ids.update(map(id, params))
+            if dtensor is not None:
+                sharded.update(id(p) for p in params if isinstance(p, dtensor))
         mw = h.masters
         if mw is not None:
             ids.update(map(id, mw.halfs))
+        if not models:
+            models = h.run.amp.models
+    if sharded:
+        ids |= fsdp.unsharded_ids(models, sharded)
     return ids
 
 

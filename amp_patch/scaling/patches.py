@@ -122,6 +122,9 @@ def make_backward_patch(amp: "Session"):
                 return wrapped(*args, **kwargs)
             amp.cache.clear()
             try:
+                if not flight.inside("scale_loss") and not args and kwargs.get("gradient") is None:
+                    # the true loss, for plot() and report() (scale_loss records its own)
+                    diagnostics.record_loss(amp, instance, 0, run.scalers[0].steps if run.scalers else 0)
                 if (
                     not run.plain
                     or sw.off

@@ -34,7 +34,7 @@ import torch
 from .. import diagnostics
 from ..base.errors import OverflowLoopError, StateError
 from ..config import AmpConfig
-from ..precision import master
+from ..precision import fsdp, master
 from .scaler import LossScaler
 
 if TYPE_CHECKING:
@@ -226,9 +226,12 @@ class Run:
 
 def _dense_real(t: Tensor) -> Tensor:
     """What the fused unscale-and-check can take of a gradient, sharing its memory:
-    a sparse gradient's values (as ``torch.amp.GradScaler`` unscales them; the
-    ones unscaled here are FP32, so summing duplicates cannot overflow) and a
-    complex gradient's real view."""
+    a DTensor's local shard (FSDP2: each rank checks its own, and the skip
+    decision is all-reduced), a sparse gradient's values (as
+    ``torch.amp.GradScaler`` unscales them; the ones unscaled here are FP32, so
+    summing duplicates cannot overflow) and a complex gradient's real view."""
+    if type(t) is not Tensor:
+        t = fsdp.local(t)
     if t.is_sparse:
         t = t._values()
     return torch.view_as_real(t) if t.is_complex() else t
@@ -380,8 +383,9 @@ def _park_true_grads(h: Handle) -> None:
 
 def _rescale_true_grads(h: Handle, scale: float) -> None:
     """Under DDP: multiply the running sum in ``.grad`` by the scale, so the next
-    scaled backward adds to it and the all-reduce sees the whole sum."""
-    grads = [p.grad for p in h.own_params() if p.grad is not None and not p.grad.is_sparse]
+    scaled backward adds to it and the all-reduce sees the whole sum (under
+    FSDP2, the sharded sum its reduce-scatter adds to)."""
+    grads = [fsdp.local(p.grad) for p in h.own_params() if p.grad is not None and not p.grad.is_sparse]
     if grads:
         with torch.no_grad():
             torch._foreach_mul_(grads, scale)

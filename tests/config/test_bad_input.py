@@ -503,17 +503,14 @@ def test_inf_written_into_a_weight_is_detected(level, where):
                 F.mse_loss(model(x).float(), torch.zeros(4, 2)).backward()
                 opt.step()
         c = amp_patch.counters()
-        assert c["skipped"] >= 3
-        if where == "model":
-            assert c["steps"] == 0
-            state = model.state_dict()
-            for k in edited:
-                if k != "0.weight":
-                    assert torch.equal(state[k], edited[k]), k  # nothing else was touched
-        else:
-            # The half model held a finite copy for one step; the step that
-            # refreshed it from the inf master is the only one that ran.
-            assert c["steps"] == 1 and not torch.isfinite(model[0].weight).all()
+        # an edit of the master reaches the half model before its next forward, as an edit
+        # of the model reaches the master before the step: the first step already overflows
+        assert c["skipped"] >= 3 and c["steps"] == 0
+        assert not torch.isfinite(model[0].weight).all()
+        state = model.state_dict()
+        for k in edited:
+            if k != "0.weight":
+                assert torch.equal(state[k], edited[k]), k  # nothing else was touched
     finally:
         amp_patch.deinitialize()
 

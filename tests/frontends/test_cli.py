@@ -88,7 +88,7 @@ def test_run_help_exits_0(capsys):
 
 def test_no_subcommand_prints_help_and_exits_2(capsys):
     assert cli.main([]) == 2
-    assert "{run,lists,check,check-script,demo}" in capsys.readouterr().err
+    assert "{run,lists,check,check-script,demo,compare}" in capsys.readouterr().err
 
 
 # ------------------------------------------------------ run: pass-through

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ...patching.wrappers import pop_disabled, push_disabled
+
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
 
 _ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2}
@@ -31,12 +33,14 @@ Tensor = torch.Tensor
 @contextlib.contextmanager
 def _as_kernel(device: str) -> Iterator[None]:
     """No casting inside: neither torch's autocast nor amp_patch's patched functions."""
-    from ... import frontend
-
     autocast_off = (torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device)
                     else contextlib.nullcontext())
-    with autocast_off, frontend.disable_casts():
-        yield
+    with autocast_off:
+        push_disabled()
+        try:
+            yield
+        finally:
+            pop_disabled()
 
 
 def _layers(bias: int, args: Sequence[Tensor]) -> Tuple[Tensor, List[Tensor], List[Optional[Tensor]]]:
