@@ -3,6 +3,7 @@
 compiler is, each install builds the C fast path (``amp_patch.patching._fastpath``)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -260,3 +261,150 @@ def test_the_quick_run_reaches_every_subpackage(tmp_path):
     assert subpackages - reached == set()
     nested = {d.relative_to(package).as_posix() for d in package.glob("*/*") if (d / "__init__.py").exists()}
     assert {n for n in nested if not any(package / n in p.parents for p in ran)} == set()  # apex.parallel, apex.fp16_utils
+
+
+#: run by the fresh environment's interpreter, from an empty folder: where
+#: amp_patch comes from, every module of it imported, one O1 and one O2 step
+INSTALLED_PROBE = r'''
+import importlib, json, math, pkgutil, sys, traceback
+from pathlib import Path
+
+checkout = Path(sys.argv[1]).resolve()
+sources = [checkout / "amp_patch", checkout / "lists"]  # the checkout's code, not its .venv
+import torch, amp_patch
+
+def inside(p, folders):
+    p = Path(p).resolve()
+    return any(p == f or f in p.parents for f in folders)
+
+report = {"file": amp_patch.__file__, "failed": {}}
+report["finders"] = [repr(f) for f in sys.meta_path if "editable" in repr(f).lower()]
+
+def failed(name):
+    report["failed"][name] = traceback.format_exc(limit=3)
+
+found = {"amp_patch"}
+for info in pkgutil.walk_packages(amp_patch.__path__, "amp_patch.", onerror=failed):
+    found.add(info.name)
+for name in sorted(found):
+    try:
+        module = importlib.import_module(name)
+    except Exception:
+        failed(name)
+    if name == "amp_patch.auto":  # importing it starts a session: undo that here
+        module.session.stop()
+report["modules"] = sorted(found)
+files = {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items())}
+report["from_checkout"] = sorted(n for n, f in files.items() if f and inside(f, sources))
+installed = Path(amp_patch.__file__).resolve().parent
+report["elsewhere"] = sorted(n for n, f in files.items()
+                             if n.split(".")[0] == "amp_patch" and f and not inside(f, [installed]))
+report["path"] = [p for p in sys.path if p and (Path(p).resolve() == checkout or inside(p, sources))]
+
+steps = {}
+for level in ("O1", "O2"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp_patch.initialize(model, optimizer, opt_level=level)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    out = model(x)
+    loss = torch.nn.functional.mse_loss(out.float(), y)
+    with amp_patch.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    steps[level] = {
+        "out": str(out.dtype), "loss": loss.item(), "finite": math.isfinite(loss.item()),
+        "params": sorted({str(p.dtype) for p in model.parameters()}),
+        "masters": sorted({str(p.dtype) for p in amp_patch.master_params(optimizer)}),
+        "moved": all(not torch.equal(a, b) for a, b in zip(before, model.parameters())),
+    }
+    amp_patch.deinitialize()
+report["steps"] = steps
+amp_patch.install_apex_alias()
+from apex import amp
+report["apex_amp"] = amp.__name__
+print("REPORT " + json.dumps(report))
+'''
+
+
+def _checkout_modules() -> set:
+    """Every module and package of the checkout that an install must hold: each
+    ``.py`` under ``amp_patch/`` and the op lists' package (``lists/``)."""
+    mods = set()
+    for top, package in ((ROOT / "amp_patch", ["amp_patch"]), (ROOT / "lists", ["amp_patch", "lists"])):
+        for path in top.rglob("*.py"):
+            parts = package + list(path.relative_to(top).with_suffix("").parts)
+            mods.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return mods
+
+
+def _fresh_venv(where: Path) -> Path:
+    """A new virtual environment that holds no amp_patch: no system site
+    packages, and torch and the other dependencies reached through a ``.pth``
+    file naming a folder of links into this environment's site-packages, which
+    leaves out amp_patch, its editable finder and every ``.pth`` of ours."""
+    import torch
+    import wrapt
+    import yaml
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
+    python = where / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    deps = where.parent / "deps"
+    deps.mkdir()
+    for source in {Path(m.__file__).resolve().parents[1] for m in (torch, wrapt, yaml)}:
+        for entry in source.iterdir():
+            name = entry.name.lower()
+            if name.startswith(("amp_patch", "__editable__", "apex")) or name.endswith(".pth") or name == "__pycache__":
+                continue
+            if not (deps / entry.name).exists():
+                (deps / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    Path(site, "outer_dependencies.pth").write_text(f"{deps}\n")
+    return python
+
+
+@pytest.mark.slow
+def test_the_wheel_installed_in_a_fresh_environment_imports_every_module_and_trains(tmp_path):
+    """As users install it: a wheel, in a virtual environment of its own, with
+    no checkout and no editable install within reach. An editable install's
+    finder serves any module the wheel left out, so only here does a package
+    missing from the build show."""
+    src = _source_copy(tmp_path)
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), ".", cwd=src)
+    wheel = next((tmp_path / "dist").glob("amp_patch-*.whl"))
+    python = _fresh_venv(tmp_path / "venv")
+    _pip("--python", str(python), "install", "--no-deps", "--no-index", str(wheel), cwd=tmp_path)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "AMP_PATCH_", "VIRTUAL_ENV"))}
+    res = subprocess.run([str(python), "-c", INSTALLED_PROBE, str(ROOT)], cwd=empty, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(next(x for x in res.stdout.splitlines() if x.startswith("REPORT "))[len("REPORT "):])
+
+    venv = (tmp_path / "venv").resolve()
+    assert venv in Path(report["file"]).resolve().parents, report["file"]
+    # no editable finder, no checkout on sys.path, no module loaded from the checkout
+    assert report["finders"] == [] and report["path"] == [] and report["from_checkout"] == []
+    assert report["elsewhere"] == []  # every amp_patch module came from the install
+    assert report["failed"] == {}, "\n".join(report["failed"].values())
+    installed = set(report["modules"])
+    assert _checkout_modules() - installed == set(), "the wheel lacks these modules"
+    # the wheel holds nothing more than the checkout's modules and the optional C parts
+    assert installed - _checkout_modules() <= {"amp_patch.patching._fastpath", "amp_patch.precision._fusedstep"}
+
+    o1, o2 = report["steps"]["O1"], report["steps"]["O2"]
+    assert o1["finite"] and o2["finite"] and o1["moved"] and o2["moved"]
+    # O1: FP32 weights, the patched Linear computes in BF16 (CPU's default half type)
+    assert o1["params"] == ["torch.float32"] and o1["out"] == "torch.bfloat16"
+    # O2: BF16 weights with FP32 master copies, FP32 outputs
+    assert o2["params"] == ["torch.bfloat16"] and o2["masters"] == ["torch.float32"] and o2["out"] == "torch.float32"
+    assert report["apex_amp"] == "amp_patch.amp"
+
+    script = python.parent / ("amp-patch.exe" if os.name == "nt" else "amp-patch")
+    res = subprocess.run([str(script), "--version"], cwd=empty, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "0.1.0" in res.stdout + res.stderr, res.stdout + res.stderr
