@@ -37,6 +37,8 @@ from ..oplists import view
 from ..patching import wrappers
 from ..config import OPT_LEVELS, PRESETS, parse_dtype
 from . import compare, launcher, scan
+from .compare import Parser as _Parser
+from .compare import UsageExit as _UsageExit
 
 PROG = "amp-patch"
 HALF_CHOICES = "float16|bfloat16"
@@ -48,22 +50,6 @@ HALF_CHOICES = "float16|bfloat16"
 # may still be finishing the last collective and waiting for the GIL, which
 # torch's ~ProcessGroupGloo deadlocks on (one torchrun run in ten hung so).
 _script_globals: List[dict] = []
-
-
-class _UsageExit(Exception):
-    """argparse's exit (usage error or --help) as a return code, not SystemExit,
-    so that under ``run`` only the script's own SystemExit leaves ``main``."""
-
-    def __init__(self, code: int):
-        super().__init__(code)
-        self.code = code
-
-
-class _Parser(argparse.ArgumentParser):
-    def exit(self, status: int = 0, message: Optional[str] = None):
-        if message:
-            self._print_message(message, sys.stderr)
-        raise _UsageExit(status)
 
 
 def _run_parser() -> argparse.ArgumentParser:

@@ -649,14 +649,17 @@ def write_png(path: str, runs: List[LevelRun], ref: Optional[LevelRun], threshol
 
 
 class UsageExit(Exception):
-    """A usage error or ``--help``: the exit code, returned by ``main`` (not SystemExit)."""
+    """A usage error or ``--help``: the exit code, returned by ``main`` (not SystemExit),
+    so that under ``amp-patch run`` only the script's own SystemExit leaves ``main``."""
 
     def __init__(self, code: int):
         super().__init__(code)
         self.code = code
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse whose exit raises ``UsageExit``: the CLI's parsers (``cli`` uses it too)."""
+
     def exit(self, status: int = 0, message: Optional[str] = None):
         if message:
             self._print_message(message, sys.stderr)
@@ -679,7 +682,7 @@ def _split(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> Tuple[List
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog=PROG, usage=f"{PROG} [options] script.py [script args ...]",
         description="Run a training script unmodified at several opt levels, each in its own process with the same seed, "
         "and compare the loss step by step: a table, the curves (PNG) and the numbers (CSV). Everything after the "
