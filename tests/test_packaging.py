@@ -50,10 +50,15 @@ def _pip(*args: str, cwd: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+#: the editable install's finder would serve, from the checkout, any module an install left out
+NO_EDITABLE_FINDER = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+
+
 def _probe(site: Path, tmp_path: Path) -> str:
     env = dict(os.environ, PYTHONPATH=str(site))
     # Run from an empty folder so the checkout's amp_patch/ cannot shadow the install.
-    res = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", NO_EDITABLE_FINDER + PROBE], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     return res.stdout
 
@@ -102,10 +107,7 @@ def test_a_checkout_on_pythonpath_without_installing_finds_the_lists(tmp_path):
     # A copy of the checkout that was never installed: amp_patch comes from
     # PYTHONPATH, and the editable install's finder is taken out of the way.
     src = _source_copy(tmp_path)
-    probe = (
-        "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
-        + PROBE
-    )
+    probe = NO_EDITABLE_FINDER + PROBE
     env = dict(os.environ, PYTHONPATH=str(src), AMP_PATCH_PURE_PYTHON="1")
     res = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -75,6 +75,13 @@ except ImportError as exc:  # no compiler at install: the plain step
     native = None  # type: ignore[assignment]
     UNAVAILABLE = str(exc)
     log.debug("amp_patch: the one-pass O2 step is not built (%s); the plain step runs", exc)
+if native is not None and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+    # torch's kernels without AVX2 (an x86-64 CPU without it, a VM that hides it,
+    # ATEN_CPU_CAPABILITY=default) round a multiply and an add separately where the
+    # one-pass step fuses them, as torch's AVX2/AVX-512 kernels do: its result would
+    # not be bit for bit torch's step, so the plain step runs there
+    native = None  # type: ignore[assignment]
+    UNAVAILABLE = "torch runs its DEFAULT CPU kernels (no AVX2), whose updates the one-pass step does not match bit for bit"
 
 #: the gradient / half-weight dtypes the kernel reads and writes, and their codes in _fusedstep.c
 KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}

@@ -62,8 +62,11 @@ class MasterWeights:
     persistent gradient buffer (allocated on first use).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model_grads: bool = False):
+    def __init__(self, optimizer: torch.optim.Optimizer, model_grads: bool = False, watch_writes: bool = False):
         self.optimizer = optimizer
+        #: writes through the half parameters' ``.data`` are noted (``writes``): a session's
+        #: masters, whose undo (``restore``) takes the property off again
+        self.watch_writes = watch_writes
         #: after each backward the model's ``.grad`` reads each master's true gradient, in the
         #: half dtype (``mirror``), and edits made there reach the step (``take_model_grads``);
         #: False: half gradients move into the masters and the model's ``.grad`` stays None
@@ -149,8 +152,9 @@ class MasterWeights:
             self.mirrors.append(None)
             self.half_versions.append(p._version)
             self.versions.append(master._version)
-            writes.watch(self, p)
-            writes.watch(self, master)
+            if self.watch_writes:
+                writes.watch(self, p)
+                writes.watch(self, master)
             self.index[id(p)] = i
             self.index[id(master)] = i
 
@@ -558,9 +562,10 @@ class MasterWeights:
                 loc[0]["params"][loc[1]] = h
             if m in opt.state:
                 opt.state[h] = _state_to(opt.state.pop(m), dtype)
-        for h, m in zip(self.halfs, self.masters):
-            writes.unwatch(h)
-            writes.unwatch(m)
+        if self.watch_writes:
+            for h, m in zip(self.halfs, self.masters):
+                writes.unwatch(h)
+                writes.unwatch(m)
         self.halfs, self.masters, self.grads, self.dtypes, self.mirrors, self.index = [], [], [], [], [], {}
         self.half_versions = []
         self.touched.clear()

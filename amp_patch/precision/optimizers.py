@@ -179,7 +179,7 @@ def attach(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequen
             # them, and the one-pass step runs on each rank's local shards
             built[id(opt)] = (None, None, kernel.KernelStep(opt) if kernel.native is not None else None)
             continue
-        mw = master.MasterWeights(opt, model_grads=config.model_grads)
+        mw = master.MasterWeights(opt, model_grads=config.model_grads, watch_writes=True)
         amp.undo.push(_Release(mw))
         for group in opt.param_groups:
             mw.adopt(group, originals)

@@ -392,10 +392,27 @@ def _loss(model, x):
 
 
 def _reference(level, half, x, **kw):
-    """Weights after one step taken under amp_patch, one thread, nothing in the way."""
+    """Weights after the same sequence in one thread, nothing in the way: a
+    scaled backward, ``deinitialize``, then torch's own step. The same step
+    kernel as the test's, so equal on every CPU: amp_patch's own O2 step
+    fuses the multiply-add as torch's AVX2/AVX-512 kernels do, but torch's
+    kernels for x86-64 without AVX2 round the product first."""
     model = _gated()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp_patch.initialize(model, opt, level, half_dtype=half, verbosity=0, **kw)
+    try:
+        _loss(model, x).backward()
+    finally:
+        amp_patch.deinitialize()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _stepped_under_amp(level, half, x):
+    """Weights after one step taken under amp_patch (its own step), one thread."""
+    model = _gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_patch.initialize(model, opt, level, half_dtype=half, verbosity=0)
     try:
         _loss(model, x).backward()
         opt.step()
@@ -444,9 +461,12 @@ def test_deinitialize_from_another_thread_waits_for_the_backward_in_flight(level
     assert not errors and not closer_errors, errors + closer_errors
     assert not amp_patch.is_initialized()
     opt.step()  # torch's own step now
-    for p, w in zip(model.parameters(), want):
+    under_amp = _stepped_under_amp(level, torch.float16, x)
+    for p, w, u in zip(model.parameters(), want, under_amp):
         assert p.dtype == torch.float32
         assert torch.equal(p.detach(), w)
+        # and the step under amp_patch to float32 rounding: true gradients, not x65536
+        torch.testing.assert_close(p.detach(), u, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
