@@ -27,7 +27,7 @@ import importlib
 import os
 import platform
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from ..patching import wrappers
 from ..config import OPT_LEVELS, PRESETS, parse_dtype
 from . import compare, launcher, scan
 from .compare import Parser as _Parser
+from .compare import split_script_args
 from .compare import UsageExit as _UsageExit
 
 PROG = "amp-patch"
@@ -73,27 +74,9 @@ def _run_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _split_run_args(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """Split ``run``'s tokens into launcher options and ``[script, *script args]``.
-
-    Done by hand so the script's arguments (``--``, flags named like ours)
-    reach it exactly as typed.
-    """
-    takes_value = {s for a in parser._actions for s in a.option_strings if a.nargs != 0}
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        if tok == "--":
-            return list(tokens[:i]), list(tokens[i + 1:])
-        if not tok.startswith("-") or tok == "-":
-            return list(tokens[:i]), list(tokens[i:])
-        i += 2 if tok in takes_value else 1
-    return list(tokens), []
-
-
 def _cmd_run(tokens: Sequence[str]) -> int:
     parser = _run_parser()
-    options, rest = _split_run_args(parser, tokens)
+    options, rest = split_script_args(parser, tokens)
     ns = parser.parse_args(options)
     if not rest:
         parser.error("the script to run is missing (usage: amp-patch run [options] script.py [args ...])")

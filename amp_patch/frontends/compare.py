@@ -666,9 +666,10 @@ class Parser(argparse.ArgumentParser):
         raise UsageExit(status)
 
 
-def _split(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """Split the tokens into compare's options and ``[script, *script args]``
-    (by hand, so that the script's arguments reach it exactly as typed)."""
+def split_script_args(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """Split the tokens into ``parser``'s options and ``[script, *script args]``
+    (by hand, so that the script's arguments, ``--`` and flags named like ours
+    included, reach it exactly as typed); ``run`` splits its command line so too."""
     takes_value = {s for a in parser._actions for s in a.option_strings if a.nargs != 0}
     i = 0
     while i < len(tokens):
@@ -711,7 +712,7 @@ def _parser() -> argparse.ArgumentParser:
 def parse(tokens: Sequence[str]) -> Options:
     """``compare``'s command line as ``Options``; a usage error raises ``UsageExit`` (code 2)."""
     p = _parser()
-    options, rest = _split(p, tokens)
+    options, rest = split_script_args(p, tokens)
     ns = p.parse_args(options)
     if not rest:
         p.error("the script to run is missing (usage: amp-patch compare [options] script.py [args ...])")
