@@ -2,7 +2,7 @@
 
     model, optimizer = amp_patch.initialize(model, optimizer, opt_level="O1")
 
-See the README for the opt levels, the op lists and the apex.amp drop-in.
+See the README for the opt levels and the apex.amp drop-in, and docs/guide.md for the op lists.
 """
 
 __version__ = "0.1.0"  # setup.cfg's version; first, so every module may import it

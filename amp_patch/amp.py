@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import difflib
+import functools
+import inspect
 import logging
 import sys
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, TypeVar
 
 import torch
 
 from . import frontend as _frontend
 from . import scaling
 from .base import running
-from .base.errors import ConfigError
+from .base.errors import ConfigError, KeywordError
 from .config import parse as _parse
 from .apex import amp_state as _amp_state_module
 from .apex import handle as _handle_module
@@ -92,7 +95,30 @@ def _passthrough() -> bool:
     return _enabled is False and running.session() is None
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
+
+def _keywords_checked(fn: _F) -> _F:
+    """``fn``, whose call with a keyword it does not take raises ``KeywordError``
+    (a ``TypeError``) naming the keyword and the nearest valid one, where Python
+    would only say that the keyword is unexpected. The signature stays ``fn``'s."""
+    params = inspect.signature(fn).parameters
+    valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        unknown = [k for k in kwargs if k not in params]
+        if unknown:
+            word = unknown[0]
+            near = difflib.get_close_matches(word, valid, n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]!r}?" if near else f"it takes {', '.join(valid)}"
+            raise KeywordError(f"amp.{fn.__name__}() got an unexpected keyword argument {word!r}; {hint}")
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+@_keywords_checked
 def initialize(
     models: object,
     optimizers: object = None,
@@ -119,7 +145,8 @@ def initialize(
         enabled: False returns ``models`` (and ``optimizers``) untouched and
             makes ``scale_loss`` yield the loss unchanged, as in Apex.
         opt_level: ``"O0"`` ... ``"O3"`` as in Apex, plus ``"O4"``/``"O5"``
-            (the BF16 forms of O1/O2).
+            (the BF16 forms of O1/O2) and ``"O6"``/``"O7"`` (O5 with FP8
+            ``nn.Linear`` layers, and Adam's moments in FP8/BF16 at O7).
         cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
         master_weights, loss_scale, cast_model_outputs: Apex's property
             overrides; None keeps the opt level's value. Strings such as

@@ -5,7 +5,7 @@ added: ``sitecustomize.py``, ``python -c "import amp_patch.auto; ..."``, a
 notebook's first cell. It does what ``amp-patch run`` does, configured only
 by the environment:
 
-* ``AMP_PATCH_OPT_LEVEL``  - O0..O5 (default O1)
+* ``AMP_PATCH_OPT_LEVEL``  - O0..O7 (default O1)
 * ``AMP_PATCH_HALF_DTYPE`` - float16 | bfloat16 (default: FP16 on CUDA, BF16 on CPU)
 * ``AMP_PATCH_LOSS_SCALE`` - dynamic | a number (default: the opt level's)
 * ``AMP_PATCH_OUTPUTS``    - float32 | half: dtype of the models' outputs (default float32)

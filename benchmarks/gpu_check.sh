@@ -5,7 +5,9 @@
 #
 # 1. the CUDA tests (tests/test_cuda.py and every test marked cuda), log in cuda_tests.log;
 # 2. the paired GPU benchmark (benchmarks/suite.py on the GPT-style and ResNet-style
-#    workloads: FP32, torch.autocast + GradScaler, O1, O2, O2 fused_update, O3 and, where an
+#    workloads: FP32, torch.autocast + GradScaler, O1, O2, O2 fused_update, O2 with the skip
+#    decided on the host (O2-synced) and with torch's fused SGD (O2-fusedopt: no host sync a
+#    step, tests/test_cuda.py's set_sync_debug_mode("error") test proves it), O3 and, where an
 #    Apex checkout is given, apex.amp O1/O2), CUDA-event times, peak memory, host syncs per
 #    step, in bench.md;
 # 3. versions, device and driver in env.txt.
@@ -33,7 +35,7 @@ timeout 200 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests -
   | tee "$OUT/cuda_tests.log" | tail -25
 
 echo "== GPU benchmark"
-modes="fp32 autocast O1 O2 O2-fused O3"
+modes="fp32 autocast O1 O2 O2-fused O2-synced O2-fusedopt O3"
 if [ -n "${APEX_DIR:-}" ] && [ -d "$APEX_DIR/apex/amp" ]; then
   export PYTHONPATH="$PYTHONPATH:$APEX_DIR"
   modes="$modes apex-O1 apex-O2"

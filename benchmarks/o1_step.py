@@ -18,7 +18,7 @@ with amp_patch not initialized) and O1's (``initialize(..., "O1")``) in
 interleaved blocks on the same tensors, each ratio taken per block and the
 median over blocks.
 
-Target (issue 25's "never slower than FP32", where O1's step is concerned),
+Target ("never slower than FP32", where O1's step is concerned),
 asserted unless ``--no-assert``: where O1 takes the one-pass step, at most
 torch's time. Plain SGD keeps torch's step at O1 (torch's is one ``add_``
 per parameter already; the kernel only matched it here), so its row shows

@@ -8,9 +8,14 @@ mode, about a second for the slowest), rotates their order every round,
 and reports each mode's ratio to the autocast block of the same round; the
 figures are medians over rounds.
 
-    python benchmarks/suite.py                     # all workloads, writes benchmarks/RESULTS.md
-    python benchmarks/suite.py --workloads simplenet --rounds 5 --no-write
+    python benchmarks/suite.py                     # all workloads; prints the table, writes nothing
+    python benchmarks/suite.py --write             # the same, and rewrites its block of benchmarks/RESULTS.md
+    python benchmarks/suite.py --workloads simplenet --rounds 5
     python benchmarks/suite.py --quick             # tiny sizes, a smoke test
+
+A run writes a file only when asked: ``--write`` rewrites the suite's block of
+``benchmarks/RESULTS.md``, ``--output PATH`` that block of PATH. ``--no-write``
+is still accepted and changes nothing: not writing is the default.
 
 Peak memory is each worker's peak resident set growth from before it built
 its workload (CPU) or its peak CUDA allocation; MFU is the step's matmul FLOPs
@@ -36,13 +41,13 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from workloads import APEX_MODES, MODES, Runner, build  # noqa: E402
+from workloads import APEX_MODES, MODES, OPT_IN_MODES, Runner, build  # noqa: E402
 
 from amp_patch.frontends.demo import cpu_name  # noqa: E402
 
 WORKLOADS = ("simplenet", "transformer", "convnet", "smallops")
 GPU_WORKLOADS = ("gpt", "resnet")  # sized so an FP32 step takes well over 20 ms on a current GPU
-#: issue 25's targets, checked at the end of a run (not with --quick or --no-assert):
+#: the suite's speed and memory targets, checked at the end of a run (not with --quick or --no-assert):
 #: (workload, mode, reference mode) -> the most its step may take, as a ratio to the
 #: reference's (each a median of per-round ratios to autocast)
 TARGETS = {
@@ -265,9 +270,12 @@ def table(results, peak) -> str:
         for mode, m in res["modes"].items():
             mfu = res["flops"] / m["step_s"] / peak if peak else float("nan")
             lo, hi = m["ratio_iqr"]
+            # no autocast (or no FP32) among the modes run: no ratio to give, not a NaN
+            ratio = "-" if m["ratio_autocast"] != m["ratio_autocast"] else f"{m['ratio_autocast']:.2f} ({lo:.2f}–{hi:.2f})"
+            speedup = "-" if m["speedup_fp32"] != m["speedup_fp32"] else f"{m['speedup_fp32']:.2f}×"
             lines.append(
-                f"| {wl} | {mode} | {m['step_s'] * 1e3:.1f} | {m['wall_s'] * 1e3:.1f} | {m['speedup_fp32']:.2f}× | "
-                f"{m['ratio_autocast']:.2f} ({lo:.2f}–{hi:.2f}) | {m['mem_mb']:.1f} | {mfu:.1%} | {m['syncs']:.1f} | {m['loss']:.5f} |"
+                f"| {wl} | {mode} | {m['step_s'] * 1e3:.1f} | {m['wall_s'] * 1e3:.1f} | {speedup} | "
+                f"{ratio} | {m['mem_mb']:.1f} | {mfu:.1%} | {m['syncs']:.1f} | {m['loss']:.5f} |"
             )
     return "\n".join(lines)
 
@@ -276,7 +284,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="amp_patch benchmark suite")
     ap.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS + GPU_WORKLOADS,
                     help=f"default: {' '.join(WORKLOADS)} on CPU, {' '.join(GPU_WORKLOADS)} on CUDA")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + APEX_MODES,
+    ap.add_argument("--modes", nargs="+", default=[m for m in MODES if m not in OPT_IN_MODES], choices=MODES + APEX_MODES,
                     help="apex-O1/apex-O2 run NVIDIA Apex's own apex.amp (CUDA, an Apex checkout on PYTHONPATH)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--block-seconds", type=float, default=1.0, help="about how long one block of steps runs")
@@ -285,10 +293,19 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: 1 on CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (smoke test)")
-    ap.add_argument("--no-write", action="store_true", help="print only; do not touch RESULTS.md")
+    ap.add_argument("--write", action="store_true",
+                    help="write the table into its block of benchmarks/RESULTS.md (default: print only, write nothing)")
+    ap.add_argument("--no-write", action="store_true",
+                    help="print only (the default; accepted for older command lines)")
     ap.add_argument("--no-assert", action="store_true", help="do not check the targets (TARGETS) at the end")
-    ap.add_argument("--output", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--output", default=None, metavar="PATH",
+                    help="write the table into its block of PATH instead (implies --write)")
     args = ap.parse_args(argv)
+    if args.output is not None:
+        args.write = True
+    if args.write and args.no_write:
+        ap.error("--write (or --output) and --no-write contradict each other; give one")
+    args.output = args.output or str(HERE / "RESULTS.md")
     if args.threads is None:
         # On a CPU shared with other work, every parallel region of a
         # multi-threaded op waits for its slowest thread: with another process
@@ -325,14 +342,17 @@ def main(argv=None):
     if rows:
         # a target's ratio is taken within each round against its own reference mode,
         # not as a quotient of two medians of ratios to autocast (each with its own noise)
-        text += "\n\nTargets (issue 25), each ratio taken within a round, median over rounds (IQR):\n\n" + "\n".join(
+        text += "\n\nTargets (step time against a reference mode), each ratio taken within a round, median over rounds (IQR):\n\n" + "\n".join(
             ["| workload | mode | over | step-time ratio (IQR) | target | |", "|---|---|---|---|---|---|"]
             + [f"| {wl} | {mode} | {ref} | {r:.2f} ({lo:.2f}–{hi:.2f}) | ≤ {most} | {'met' if r <= most else 'missed'} |"
                for wl, mode, ref, r, (lo, hi), most in rows])
     print(header)
     print(text)
-    if not args.no_write:
+    if args.write:
         write_results(args.output, f"suite-{args.device}", header + "\n\n" + text + f"\n\nCommand: `{command}`")
+        print(f"[suite] written into {args.output}")
+    else:
+        print("[suite] nothing written (--write puts the table into its block of benchmarks/RESULTS.md)")
     if not (args.quick or args.no_assert):
         missed = missed_targets(results)
         assert not missed, "targets missed: " + "; ".join(missed)

@@ -221,18 +221,26 @@ def build(name: str, gpu: bool = False, scale: float = 1.0, nbatches: int = 4) -
     raise ValueError(f"unknown workload {name!r}; use simplenet, transformer, convnet, smallops, gpt or resnet")
 
 
-MODES = ("fp32", "autocast", "O1", "O1-auto", "O2", "O2-absorb", "O2-parity", "O2-plain", "O2-fused", "O3")
+MODES = ("fp32", "autocast", "O1", "O1-auto", "O1-synced", "O2", "O2-absorb", "O2-parity", "O2-plain", "O2-fused",
+         "O2-synced", "O2-fusedopt", "O3")
 #: the amp_patch modes: opt level and extra ``initialize`` options. O2 is the default
 #: (the one-pass C step where it is built); O2-plain leaves that kernel out, as where
-#: no compiler was at install (the O2 of before issue 25); O2-fused is fused_update=True;
+#: no compiler was at install (O2 before the one-pass step); O2-fused is fused_update=True;
 #: O1-auto is O1 with cast_policy="auto" (small matmuls stay FP32); O2-parity is O2
 #: with cast_policy="parity" (attention in the half dtype, as before O2's default became "auto");
 #: O2-absorb is model_grads=False (half gradients move into the masters as they arrive, the
 #: model's .grad stays None: the backward's peak memory without the half gradients).
+#: O1-synced and O2-synced are sync_free=False (the skip decision read on the host, one
+#: sync a step, against the default's none); O2-fusedopt gives torch's SGD fused=True,
+#: whose step takes the verdict as found_inf (the sync-free step on CUDA).
+#: the modes a suite run leaves out unless named (--modes): the host-decided step, torch's fused SGD
+OPT_IN_MODES = ("O1-synced", "O2-synced", "O2-fusedopt")
 #: NVIDIA Apex's own apex.amp, where an Apex checkout is importable (``PYTHONPATH``)
 APEX_MODES = ("apex-O1", "apex-O2")
 AMP_MODES = {"O1": ("O1", {}), "O1-auto": ("O1", {"cast_policy": "auto"}), "O2": ("O2", {}), "O2-parity": ("O2", {"cast_policy": "parity"}), "O2-plain": ("O2", {}), "O2-fused": ("O2", {"fused_update": True}),
-             "O2-absorb": ("O2", {"model_grads": False}), "O3": ("O3", {})}
+             "O2-absorb": ("O2", {"model_grads": False}), "O3": ("O3", {}),
+             "O1-synced": ("O1", {"sync_free": False}), "O2-synced": ("O2", {"sync_free": False}),
+             "O2-fusedopt": ("O2", {})}
 
 
 class Runner:
@@ -245,7 +253,8 @@ class Runner:
         self.model = (copy.deepcopy(wl.model) if copy_model else wl.model).to(device)
         self.batches = [tuple(t.to(device) for t in b) for b in wl.batches]
         self.loss_fn = wl.loss_fn
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=wl.lr, momentum=wl.momentum)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=wl.lr, momentum=wl.momentum,
+                                   fused=True if mode == "O2-fusedopt" else None)
         self.i = 0
         self.scaler: Optional[torch.amp.GradScaler] = None
         if mode == "autocast" and device == "cuda" and half == torch.float16:

@@ -174,3 +174,43 @@ def test_the_backward_never_syncs_and_the_step_syncs_once_on_cuda(level):
         assert sum("synchroniz" in str(w.message) for w in seen) == 1, [str(w.message) for w in seen]
     finally:
         amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_fused"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_a_whole_step_makes_no_host_sync_on_cuda(level, opt_name):
+    # sync-free steps: the loss scale and the verdict stay on the GPU, and torch's fused
+    # updates take the verdict as found_inf; an overflow is forced on one step
+    def train(sync_free):
+        torch.manual_seed(0)
+        model = mlp(32, 64, 8).cuda()
+        opt = (torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if opt_name == "adam_fused"
+               else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True))
+        half = "bfloat16" if level == "O5" else "float16"
+        model, opt = amp_patch.initialize(model, opt, level, half_dtype=half, verbosity=0, sync_free=sync_free)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        try:
+            for i in range(6):
+                x = torch.randn(16, 32, device="cuda", generator=g)
+                y = torch.randn(16, 8, device="cuda", generator=g)
+                if sync_free and i >= 1:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    loss = F.mse_loss(model(x).float(), y)
+                    if i == 3 and level != "O5":
+                        loss = loss * float("inf")
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            c = amp_patch.counters()
+            return [p.detach().clone() for p in model.parameters()], c
+        finally:
+            amp_patch.deinitialize()
+
+    got, c_got = train(True)
+    want, c_want = train(False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert c_got == c_want
+    assert c_got["skipped"] == (0 if level == "O5" else 1)

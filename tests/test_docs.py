@@ -1,54 +1,70 @@
-"""What the README and the docstrings point a reader at exists: every
+"""What the documentation (README.md and every docs/*.md, read through
+``docs_text``) and the docstrings point a reader at exists: every
 ``amp_patch.x.y`` they name resolves, every contents entry finds its heading,
-every relative link its file, every ``amp-patch`` subcommand is the CLI's, and
-every example is listed."""
+every relative link its file and every anchor its heading, every ``amp-patch``
+subcommand is the CLI's, and every example is listed."""
 from __future__ import annotations
 
+import configparser
 import importlib
 import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
 from amp_patch.frontends import cli
+from docs_text import ROOT, anchors, doc_files, docs_text, headings, read, section, slug
+from docs_text import name as file_name
 
 pytestmark = pytest.mark.quick  # every test here is fast
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = docs_text()
+FILES = [file_name(p) for p in doc_files()]
+#: the files with a contents line (the README's is required)
+WITH_CONTENTS = [f for f in FILES if "**Contents:**" in read(f)]
 #: importing it turns AMP on for the process: its names are checked without importing it
 SIDE_EFFECTS = ("amp_patch.auto",)
 
 
-def _slug(heading: str) -> str:
-    """The anchor GitHub gives a heading."""
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return text.replace(" ", "-")
+def test_the_docs_are_the_readme_and_the_docs_folder():
+    assert FILES[0] == "README.md"
+    assert {"docs/guide.md", "docs/reference.md", "docs/design.md", "docs/development.md"} <= set(FILES)
+    assert "README.md" in WITH_CONTENTS
 
 
-def _section(title: str) -> str:
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start:end if end != -1 else len(README)]
-
-
-def test_the_contents_list_every_section_and_each_link_finds_its_heading():
-    headings = re.findall(r"^#{2,3} (.+)$", README, flags=re.M)
-    slugs = {_slug(h) for h in headings}
-    contents = README[README.index("**Contents:**"):README.index("\n## ")]
+@pytest.mark.parametrize("path", WITH_CONTENTS)
+def test_the_contents_list_every_section_and_each_link_finds_its_heading(path):
+    text = read(path)
+    contents = text[text.index("**Contents:**"):text.index("\n## ")]
     links = re.findall(r"\]\(#([^)]+)\)", contents)
-    assert [a for a in links if a not in slugs] == []
-    top = [_slug(h) for h in re.findall(r"^## (.+)$", README, flags=re.M)]
+    assert [a for a in links if a not in anchors(path)] == []
+    top = [slug(title) for level, title, _ in headings(text) if level == 2]
     assert links == top  # every section, in order
 
 
-def test_every_in_page_and_relative_link_resolves():
-    slugs = {_slug(h) for h in re.findall(r"^#{2,6} (.+)$", README, flags=re.M)}
-    for target in re.findall(r"\]\(([^)\s]+)\)", README):
-        if target.startswith("#"):
-            assert target[1:] in slugs, target
-        elif "://" not in target:
-            assert (ROOT / target.split("#")[0]).exists(), target
+@pytest.mark.parametrize("path", FILES)
+def test_every_in_page_and_relative_link_resolves(path):
+    """In-page anchors find a heading of the file; relative links resolve from
+    the file's folder, and an anchor into another Markdown file finds its heading."""
+    text = read(path)
+    here = (ROOT / path).parent
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (here / file).resolve() if file else ROOT / path
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{target}: no such heading in {dest.relative_to(ROOT).as_posix()}")
+    assert bad == []
+
+
+def test_each_doc_opens_with_what_it_holds_and_links_back_to_the_readme():
+    for path in FILES[1:]:
+        text = read(path)
+        first = text.split("\n\n")[1]  # the paragraph under the title
+        assert "](../README.md" in first, path
 
 
 def _names(text: str):
@@ -86,8 +102,8 @@ def _unresolved(names, where: str = ""):
     return missing
 
 
-def test_every_amp_patch_name_the_readme_gives_resolves():
-    assert _unresolved(_names(README)) == []
+def test_every_amp_patch_name_the_docs_give_resolves():
+    assert _unresolved(_names(DOCS)) == []
 
 
 def test_every_amp_patch_name_a_docstring_gives_resolves():
@@ -98,29 +114,46 @@ def test_every_amp_patch_name_a_docstring_gives_resolves():
     assert missing == []
 
 
-def test_every_amp_patch_command_the_readme_gives_is_the_clis():
+def test_every_amp_patch_command_the_docs_give_is_the_clis():
     subcommands = set(cli._main_parser()._subparsers._group_actions[0].choices)
-    used = set(re.findall(r"\bamp-patch (--?[\w-]+|[a-z][\w-]*)", README))
+    used = set(re.findall(r"\bamp-patch (--?[\w-]+|[a-z][\w-]*)", DOCS))
     assert used <= subcommands | {"--version"}, used - subcommands
     run_flags = {s for a in cli._run_parser()._actions for s in a.option_strings}
-    usage = README[README.index("amp-patch run [--opt-level"):]
+    usage = DOCS[DOCS.index("amp-patch run [--opt-level"):]
     usage = usage[:usage.index("```")]
     assert set(re.findall(r"\[(--[\w-]+)", usage)) <= run_flags
 
 
 def test_the_readme_lists_every_example_and_keeps_its_two_commands():
-    listed = _section("Examples")
+    listed = section("Examples", "README.md")
     for path in sorted((ROOT / "examples").glob("*.py")):
         assert f"(examples/{path.name})" in listed, path.name
-    two = _section("Two commands")
+    two = section("Two commands", "README.md")
     assert "pip install torch==2.13.0 && pip install -e . && amp-patch demo" in two
     assert 'pip install -e ".[test]" && python -m pytest -q' in two
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -q\n" in ci  # the README's test command is CI's
 
 
+def _extra(name: str) -> list:
+    """The requirement names of setup.cfg's extra ``name``."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg", encoding="utf-8")
+    lines = cfg["options.extras_require"].get(name, "").strip().splitlines()
+    return [re.split(r"[<>=!~;\s\[]", line.strip(), maxsplit=1)[0] for line in lines if line.strip()]
+
+
+def test_the_tools_the_docs_run_come_with_the_extra_they_name():
+    """`python -m pyflakes amp_patch` works after the install the docs name for it."""
+    for tool in ("pyflakes",):
+        lines = [line for line in DOCS.splitlines() if f"python -m {tool}" in line]
+        assert lines, tool
+        said = re.findall(r"the (\w+) extra", DOCS[DOCS.index(f"python -m {tool}"):][:400])
+        assert said and tool in _extra(said[0]), (tool, said)
+
+
 @pytest.mark.parametrize("extra", ["plot", "examples", "test"])
-def test_the_extras_the_readme_installs_exist(extra):
+def test_the_extras_the_docs_install_exist(extra):
     cfg = (ROOT / "setup.cfg").read_text()
-    assert f"pip install -e '.[{extra}]'" in README or f'pip install -e ".[{extra}]"' in README
+    assert f"pip install -e '.[{extra}]'" in DOCS or f'pip install -e ".[{extra}]"' in DOCS
     assert re.search(rf"^{extra} =$", cfg, flags=re.M), extra

@@ -18,9 +18,9 @@ backward (of a fixed random projection of every floating output) on each route:
   FP32, the gradients of the inputs and of the FP32 masters are FP32, and the
   values agree with FP32's within what a layer computed in half can give.
 
-Where O1/O4 differ from CPU autocast by design (README.md, "Parity with
+Where O1/O4 differ from CPU autocast by design (docs/guide.md, "Parity with
 torch.autocast"), ``DIFFERENCES`` gives what amp_patch computes instead, with
-the README's reason.
+the guide's reason.
 """
 from __future__ import annotations
 
@@ -363,18 +363,18 @@ def halves(n: int) -> Callable:
 
 
 def cuda_fp32(op: str) -> str:
-    return (f"README, Parity: under FP16 amp_patch follows CUDA autocast's policy, which runs {op} in FP32; "
+    return (f"docs/guide.md, Parity: under FP16 amp_patch follows CUDA autocast's policy, which runs {op} in FP32; "
             f"CPU autocast applies its BF16 lists to FP16 and leaves {op} in the dtype it is given")
 
 
 def cpu_fp32(op: str) -> str:
-    return (f"README, Parity: under FP16 amp_patch follows CUDA autocast's policy, which has none for {op}: "
+    return (f"docs/guide.md, Parity: under FP16 amp_patch follows CUDA autocast's policy, which has none for {op}: "
             f"it keeps the dtype it is given; CPU autocast runs it in FP32")
 
 
-RNN_STATE = ("README, Parity (RNN hidden state): CPU FP16 runs cast the recurrent state to half as CUDA "
+RNN_STATE = ("docs/guide.md, Parity (RNN hidden state): CPU FP16 runs cast the recurrent state to half as CUDA "
              "autocast's cells and cuDNN do (and Apex did); CPU autocast keeps an FP32 state FP32")
-PROMOTED = ("README, Parity (Promotion): {op} is a promote op, run in FP32 on a mix of half and FP32 inputs; "
+PROMOTED = ("docs/guide.md, Parity (Promotion): {op} is a promote op, run in FP32 on a mix of half and FP32 inputs; "
             "CPU autocast has no policy for it and its kernel refuses the mix")
 
 #: (layer, half dtype, route: fed through the Linear, or None for both) -> Differs
@@ -403,17 +403,17 @@ DIFFERENCES: Dict[Tuple[str, torch.dtype, Optional[bool]], Differs] = {
     ("LSTMCell", f16, False): Differs(RNN_STATE, halves(2)),
     ("LSTM", f16, False): Differs(RNN_STATE + "; its FP16 LSTM on an FP32 input fails in oneDNN", halves(3),
                                   autocast_fails=True),
-    ("RReLU", f16, True): Differs("README, Parity (every layer): torch has no FP16 CPU kernel for rrelu, which "
+    ("RReLU", f16, True): Differs("docs/guide.md, Parity (every layer): torch has no FP16 CPU kernel for rrelu, which "
                                   "amp_patch runs in FP32 on a CPU; CPU autocast has no policy for it and fails",
                                   fp32, autocast_fails=True),
-    ("BCELoss", f16, None): Differs("README, Op lists: binary_cross_entropy is banned under FP16, as in CUDA "
+    ("BCELoss", f16, None): Differs("docs/guide.md, Op lists: binary_cross_entropy is banned under FP16, as in CUDA "
                                     "autocast and apex.amp (CPU autocast runs it in FP32)", raises=BannedOpError),
     **{("Bilinear", h, True): Differs(PROMOTED.format(op="bilinear"), fp32, autocast_fails=True) for h in (f16, bf16)},
     **{("EmbeddingBag", h, True): Differs(PROMOTED.format(op="embedding_bag (per_sample_weights and weight)"), fp32,
                                           autocast_fails=True) for h in (f16, bf16)},
     **{("AdaptiveLogSoftmaxWithLoss", h, False): Differs(
         "torch's forward index_copy_s a head computed in half into an FP32 tensor (its input's dtype), which "
-        "fails under autocast; README, In-place ops: amp_patch casts the source to the receiver's dtype",
+        "fails under autocast; docs/guide.md, In-place ops: amp_patch casts the source to the receiver's dtype",
         lambda half, given: [f32, f32], autocast_fails=True) for h in (f16, bf16)},
 }
 

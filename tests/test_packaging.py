@@ -182,7 +182,14 @@ def _cycle(graph):
 FLOORS = [
     {"base"},  # exceptions, the undo stack, the running-session slot, frames
     {"config"},  # AmpConfig and the opt-level presets
-    {"oplists", "patching", "diagnostics", "precision", "scaling"},  # the mechanisms
+    # the mechanisms, each on its own floor: the op lists; the casting wrappers that
+    # read them; diagnostics, which watch the wrappers; the model's precision (masters,
+    # conversions, the one-pass step); loss scaling, which steps the masters
+    {"oplists"},
+    {"patching"},
+    {"diagnostics"},
+    {"precision"},
+    {"scaling"},
     {"run"},  # the session and initialize's plan
     {"face"},  # the root's public modules: frontend, auto
     {"apex", "frontends"},  # Apex's API and the launcher, built on the public face

@@ -64,7 +64,7 @@ def test_ten_thousand_o1_steps_with_flat_memory(half):
     model, opt = amp_patch.initialize(model, opt, "O1", half_dtype=half, verbosity=0)
     amp = running.session()
     cache, patches = amp.cache, len(amp.patcher)
-    scaler = amp.scalers[0]
+    scaler = amp.scaling.scalers[0]
     marks = {}
     worst_cache = 0
     first = last = None

@@ -3,7 +3,7 @@
 Each test is written the way the scripts that hit the problem are written: a
 GAN whose second optimizer amp_patch never saw, FGSM on an input, a
 FixMatch-style EMA copy, numpy-based evaluation, a Hugging Face save and
-reload; through ``initialize`` and through the launcher. README's "What a run
+reload; through ``initialize`` and through the launcher. docs/guide.md's "What a run
 under amp_patch computes" table points at these tests.
 """
 from __future__ import annotations

@@ -66,7 +66,7 @@ class ScalerView:
         self._index = index
 
     def _scaler(self) -> "LossScaler":
-        run = scaling_state.run_of(_running("loss_scalers"))
+        run = _running("loss_scalers").scaling
         if self._index >= len(run.scalers):
             raise IndexError(
                 f"loss scaler {self._index} is gone: the last amp.initialize asked for num_losses={len(run.scalers)}"
@@ -89,7 +89,7 @@ class ScalerView:
             raise ValueError(f"_loss_scale={value!r}: a loss scale must be a finite number > 0")
         scaler.scale = value
         # a static scaler of 1.0 does no work; one given another scale starts scaling
-        scaling_state.run_of(_running("loss_scalers")).refresh_plain()
+        _running("loss_scalers").scaling.refresh_plain()
 
     @property
     def _unskipped(self) -> int:
@@ -270,7 +270,7 @@ class AmpState:
 
     @property
     def loss_scalers(self) -> List[ScalerView]:
-        run = scaling_state.run_of(_running("loss_scalers"))
+        run = _running("loss_scalers").scaling
         return [ScalerView(i) for i in range(len(run.scalers))]
 
     @property
@@ -282,11 +282,11 @@ class AmpState:
 
     @property
     def min_loss_scale(self) -> float:
-        return scaling_state.run_of(_running("min_loss_scale")).scalers[0].min_scale
+        return _running("min_loss_scale").scaling.scalers[0].min_scale
 
     @property
     def max_loss_scale(self) -> float:
-        return scaling_state.run_of(_running("max_loss_scale")).scalers[0].max_scale
+        return _running("max_loss_scale").scaling.scalers[0].max_scale
 
 
 _PROPERTIES = object.__new__(Properties)

@@ -25,7 +25,6 @@ from ..base import running
 from ..base.errors import ConfigError, StateError
 from ..run.session import Session
 from ..scaling import scale_loss as _scale_loss
-from ..scaling import state as scaling_state
 from . import lists as apex_lists
 from .amp_state import Handle, _amp_state
 
@@ -178,7 +177,7 @@ class OptimWrapper:
         self._loss_idx = 0
         if handle.is_active():
             frontend.adopt_optimizer(optimizer)
-            scaling_state.add_losses(handle._amp, num_loss)
+            handle._amp.add_losses(num_loss)
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -17,6 +17,15 @@ class ConfigError(AmpError, ValueError):
     """``initialize`` got an invalid opt level, option or combination."""
 
 
+class KeywordError(AmpError, TypeError):
+    """A call named a keyword argument the function does not take (a misspelled
+    ``opt_levl=``); the message names the nearest valid one.
+
+    A ``TypeError``, as Python's own for an unexpected keyword, so code that
+    catches that keeps working.
+    """
+
+
 class BannedOpError(AmpError, NotImplementedError):
     """An op that is unsafe in FP16 was called while FP16 casting is on.
 

@@ -41,6 +41,8 @@ ENV_HALF_DTYPE = "AMP_PATCH_HALF_DTYPE"
 #: matmuls too small for the half kernel to win, and attention whose half kernel
 #: is slower here, in FP32 (``patching.costs``, ``patching.attention``)
 CAST_POLICIES = ("parity", "auto")
+#: ``fp8_recipe`` (O6/O7): torchao's FP8 scaling recipes (``precision.fp8``)
+FP8_RECIPES = ("tensorwise", "rowwise")
 #: the default of ``max_consecutive_skips``: that many skipped steps in a row at
 #: the minimum loss scale raise ``OverflowLoopError``
 MAX_CONSECUTIVE_SKIPS = 20
@@ -49,6 +51,8 @@ LossScale = Union[str, float]
 KeepFP32 = Union[None, Tuple[str, ...], Callable[[nn.Module, str], bool]]
 #: op-list overrides as given: YAML paths and dicts (``oplists.load`` reads them)
 Lists = Optional[Tuple[object, ...]]
+#: ``fp8_layers`` as given: "auto", "all", module-name patterns or a filter
+Fp8Layers = Union[str, Tuple[str, ...], Callable[[nn.Module, str], bool]]
 
 _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
@@ -72,7 +76,7 @@ def parse_dtype(value: object, what: str = "half_dtype", allowed: Tuple[torch.dt
 
 
 def parse_level(value: object, what: str = "opt_level") -> str:
-    """An opt level (any case) -> ``"O0"`` ... ``"O5"``, or ConfigError naming ``what``."""
+    """An opt level (any case) -> ``"O0"`` ... ``"O7"``, or ConfigError naming ``what``."""
     if not isinstance(value, str):
         raise ConfigError(f"{what}={value!r} is a {type(value).__name__}, not an opt level; pass one string: "
                           f"one of {', '.join(OPT_LEVELS)}")
@@ -212,8 +216,14 @@ class AmpConfig:
     #: 0 silences amp_patch's informational messages
     verbosity: int = _scope("session", 1)
     cast_policy: str = _scope("session", "parity")
+    #: the loss scale and the overflow verdict stay on the device: a step makes no
+    #: host sync where its optimizer's update can take the verdict (``scaling.state``);
+    #: False decides each step on the host, with one sync
+    sync_free: bool = _scope("session", True)
     #: op-list overrides (None: the shipped lists and ``$AMP_PATCH_LISTS``)
     lists: Lists = _scope("session")
+    #: O6/O7: torchao's FP8 scaling recipe, "tensorwise" or "rowwise" (``precision.fp8``)
+    fp8_recipe: str = _scope("session", "tensorwise")
     keep_fp32: KeepFP32 = _scope("call")
     save_dtype: torch.dtype = _scope("call", torch.float32)
     fused_update: bool = _scope("call", False)
@@ -224,11 +234,15 @@ class AmpConfig:
     #: O1/O4: accept FP16/BF16 parameters in the optimizer and step them as they
     #: are (Apex's ``_amp_state.allow_incoming_model_not_fp32``)
     allow_half_params: bool = _scope("call", False)
+    #: O6/O7: which ``nn.Linear`` layers compute in FP8: "auto" (the shapes that gain, first
+    #: and last kept), "all", module-name patterns or a filter (``precision.fp8``)
+    fp8_layers: Fp8Layers = _scope("call", "auto")
     #: the option names the caller passed, so a later call compares only those
     given: FrozenSet[str] = dataclasses.field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("collect_stats", "find_overflow", "fused_update", "model_grads", "enabled", "allow_half_params"):
+        for name in ("collect_stats", "find_overflow", "sync_free", "fused_update", "model_grads", "enabled",
+                     "allow_half_params"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"initialize: {name}={getattr(self, name)!r} must be True or False")
         v = self.verbosity
@@ -247,6 +261,26 @@ class AmpConfig:
                 "master_weights=True with cast_model_type=torch.float32 makes no sense: FP32 master "
                 "weights exist to back a half-precision model. Use opt_level='O2' (or O5), or drop master_weights."
             )
+        self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        """``fp8_recipe`` and ``fp8_layers``: valid, and given only at O6/O7."""
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ConfigError(f"initialize: fp8_recipe={self.fp8_recipe!r} must be one of "
+                              f"{', '.join(repr(r) for r in FP8_RECIPES)} (torchao's FP8 scaling recipes)")
+        object.__setattr__(self, "fp8_layers", _fp8_layers(self.fp8_layers))
+        named = [k for k in ("fp8_recipe", "fp8_layers") if k in self.given]
+        if named and not self.fp8_level:
+            raise ConfigError(
+                f"initialize: {named[0]}= chooses how nn.Linear layers compute in FP8, which only O6 and O7 do; "
+                f"opt_level={self.opt_level!r} has no FP8. Use O6 or O7, or drop {named[0]}."
+            )
+
+    @property
+    def fp8_level(self) -> int:
+        """FP8 on top of O5: 0 none, 1 at O6 (``nn.Linear`` GEMMs), 2 at O7 (and Adam's moments)."""
+        preset = PRESETS.get(self.opt_level)
+        return preset.fp8 if preset is not None else 0
 
     # the loss scale's form, read often
     @property
@@ -333,7 +367,7 @@ def parse(
     Nothing is changed anywhere: callers parse before they patch.
 
     Args:
-        opt_level: ``"O0"`` ... ``"O5"`` (any case).
+        opt_level: ``"O0"`` ... ``"O7"`` (any case).
         device_type: the models' device type, for the default half dtype.
         half_dtype: FP16 / BF16 (or their names); None: Apex's
             ``cast_model_type=torch.float16`` names it, else the level's
@@ -417,6 +451,19 @@ def parse(
 def _lists(value: object) -> Lists:
     """Op-list overrides as a tuple of sources (a path, a dict, or a list of them)."""
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _fp8_layers(value: object) -> Fp8Layers:
+    """``fp8_layers`` as "auto", "all", a tuple of module-name patterns, or a callable."""
+    if callable(value) or value in ("auto", "all"):
+        return value  # type: ignore[return-value]
+    patterns = (value,) if isinstance(value, str) else value
+    if not isinstance(patterns, (list, tuple)) or not patterns or not all(isinstance(p, str) for p in patterns):
+        raise ConfigError(
+            f"fp8_layers={value!r} must be 'auto' (the layers whose shapes gain from FP8), 'all', a list of "
+            f"module-name patterns such as ['blocks.*.mlp.*'], or a callable (module, name) -> bool"
+        )
+    return tuple(patterns)
 
 
 def _keep_fp32(value: object) -> KeepFP32:

@@ -3,9 +3,10 @@
 The ``Tensor.backward`` patch (a plain ``loss.backward()``) and ``scale_loss``
 hand the true loss, before any scaling, to ``record``, with the loss id and
 the optimizer step it feeds. Nothing is read on the host then: the values stay
-on the loss's device and are copied back in one transfer every
-``CHUNK`` backwards or when asked (``rows``), so recording adds no host
-synchronisation to a step. Only the newest ``HISTORY_LENGTH`` are kept, as for
+on the loss's device, and every ``CHUNK`` backwards they are stacked there and
+copied to the host without blocking (``base.counts.HostCopies``); ``rows``
+waits for what is still in flight. Recording adds no host synchronisation to
+a step. Only the newest ``HISTORY_LENGTH`` are kept, as for
 the loss-scale history.
 
 A run whose ``Tensor.backward`` is not patched (O0, and O3 at the static scale
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Deque, List, Optional, Tuple
 
 import torch
 
+from ..base.counts import HostCopies
 from ..patching.wrappers import pop_disabled, push_disabled
 
 if TYPE_CHECKING:
@@ -38,6 +40,9 @@ class LossLog:
     def __init__(self, maxlen: int = HISTORY_LENGTH):
         self._rows: Deque[Row] = collections.deque(maxlen=maxlen)
         self._pending: List[Tuple[int, int, torch.Tensor]] = []
+        #: chunks on their way to the host: the ``(loss_id, step)`` of each value, in order
+        self._copies = HostCopies()
+        self._keys: Deque[List[Tuple[int, int]]] = collections.deque()
         #: backwards recorded so far (not bounded by ``maxlen``)
         self.count = 0
 
@@ -60,11 +65,13 @@ class LossLog:
         """The newest loss recorded, as a one-element tensor on its device, or None."""
         if self._pending:
             return self._pending[-1][2]
+        self._receive(wait=True)
         if self._rows:
             return torch.tensor(self._rows[-1][2])
         return None
 
     def _flush(self) -> None:
+        """Stack the pending values per device and start their copy to the host."""
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -72,19 +79,24 @@ class LossLog:
         try:
             with torch.no_grad():
                 by_device: dict = {}
-                for i, (_, _, v) in enumerate(pending):
-                    by_device.setdefault(v.device, []).append(i)
-                values: List[float] = [0.0] * len(pending)
-                for idx in by_device.values():
-                    for i, x in zip(idx, torch.stack([pending[i][2].float() for i in idx]).tolist()):
-                        values[i] = x
+                for lid, step, v in pending:
+                    by_device.setdefault(v.device, []).append((lid, step, v))
+                for group in by_device.values():
+                    self._copies.post(torch.stack([v.float() for _, _, v in group]))
+                    self._keys.append([(lid, step) for lid, step, _ in group])
         finally:
             pop_disabled()
-        self._rows.extend((lid, step, v) for (lid, step, _), v in zip(pending, values))
+        self._receive(wait=False)
+
+    def _receive(self, wait: bool) -> None:
+        for values in self._copies.drain(wait):
+            keys = self._keys.popleft()
+            self._rows.extend((lid, step, v) for (lid, step), v in zip(keys, values))
 
     def rows(self) -> List[Row]:
-        """Every kept ``(loss_id, step, loss)``, oldest first (one copy to the host)."""
+        """Every kept ``(loss_id, step, loss)``, oldest first (waits for the copies in flight)."""
         self._flush()
+        self._receive(wait=True)
         return list(self._rows)
 
 

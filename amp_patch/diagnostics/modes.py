@@ -13,7 +13,8 @@ no observer, only calls straight through.
 
 ``caller`` finds the frame that made a torch call, past torch and the op
 machinery, so a call can be charged to the user's line or recognised as
-amp_patch's own (the loss scaler's arithmetic). ``OpNames`` maps a function
+amp_patch's own (the loss scaler's arithmetic); ``caller_and_utility`` also
+names the torch utility (``clip_grad_norm_``) the call came from inside of. ``OpNames`` maps a function
 object torch hands to a mode back to the public names under which amp_patch
 could patch it (``torch.nn.functional.linear``).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 __amp_patch_frame__ = "machinery"  # frames.py: the op call itself, never its caller
 
+import functools
 import sys
 import threading
 from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
@@ -97,7 +99,7 @@ def add(observer: Observer) -> None:
     with _lock:
         if observer not in _observers:
             _observers = _observers + (observer,)
-        wrappers.python_only["watch"] = True
+        wrappers.need_python("watch")
     ensure_here()
 
 
@@ -108,7 +110,7 @@ def remove(observer: Observer) -> None:
         _observers = tuple(o for o in _observers if o != observer)
         last = not _observers
         if last:
-            wrappers.python_only.pop("watch", None)
+            wrappers.need_python("watch", on=False)
     mode = getattr(_local, "mode", None)
     if last and mode is not None:
         _local.mode = None
@@ -140,6 +142,58 @@ def caller(depth: int = 1) -> Optional[FrameType]:
             return f
         f = f.f_back
     return None
+
+
+#: torch's utilities that a user calls on a model's parameters or gradients between
+#: the forward and the step (``clip_grad_norm_``, ``clip_grad_value_``, ``get_total_norm``,
+#: ``parameters_to_vector``, ...): the ops they run are the utility's, not the model's.
+#: The modules a model's forward runs through (parametrize, weight_norm, spectral_norm,
+#: prune, rnn, stateless) are not among them: their ops are the model's.
+UTILITY_MODULES = frozenset((
+    "torch.nn.utils.clip_grad", "torch.nn.utils.convert_parameters", "torch.nn.utils.fusion",
+    "torch.nn.utils.memory_format", "torch.nn.utils._foreach_utils",
+))
+
+
+@functools.lru_cache(maxsize=1)
+def _utility_names() -> Dict[object, str]:
+    """``{code object: public name}`` of the functions ``torch.nn.utils`` exports
+    from ``UTILITY_MODULES``, each under its decorators (``get_total_norm`` is a
+    ``no_grad`` wrapper of ``_get_total_norm``; the wrapper's code is shared by
+    every function so decorated, so only the innermost function's counts)."""
+    out: Dict[object, str] = {}
+    for name in dir(torch.nn.utils):
+        obj = getattr(torch.nn.utils, name, None)
+        if name.startswith("_") or not callable(obj) or getattr(obj, "__module__", None) not in UTILITY_MODULES:
+            continue
+        for _ in range(8):
+            if getattr(obj, "__wrapped__", None) is None:
+                break
+            obj = obj.__wrapped__
+        code = getattr(obj, "__code__", None)
+        if code is not None:
+            out.setdefault(code, f"torch.nn.utils.{name}")
+    return out
+
+
+def caller_and_utility(depth: int = 1) -> Tuple[Optional["FrameType"], Optional[str]]:
+    """``caller``'s frame, and the torch utility (``UTILITY_MODULES``) the call was
+    made from inside of, by the name the script calls it by
+    (``torch.nn.utils.clip_grad_norm_``), or None: of the public functions of
+    those modules between the two frames, the outermost."""
+    f: Optional[FrameType] = sys._getframe(depth + 1)
+    utility: Optional[str] = None
+    while f is not None:
+        if not (frames.is_library(f) or frames.is_machinery(f)):
+            return f, utility
+        module = frames.module_name(f)
+        if module in UTILITY_MODULES:
+            name = _utility_names().get(f.f_code)
+            if name is None and not f.f_code.co_name.startswith("_"):
+                name = f"{module}.{f.f_code.co_name}"
+            utility = name or utility
+        f = f.f_back
+    return None, utility
 
 
 #: True when amp_patch itself (the loss scaler, model conversion) made the call

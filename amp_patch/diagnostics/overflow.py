@@ -24,7 +24,7 @@ import torch
 from ..base import running
 from ..base.errors import StateError
 from . import modes
-from ..patching.wrappers import _GLOBALS as wrappers_globals, _tensors as wrappers_tensors
+from ..patching.wrappers import op_on_stack, tensors_in
 from ..oplists import NAMESPACES, OPERATOR_FORMS
 from .notices import AmpWarning, stacklevel
 from .stats import dtype_name
@@ -39,7 +39,7 @@ log = logging.getLogger("amp_patch")
 # ------------------------------------------------------------ overflow provenance
 
 
-_tensors = wrappers_tensors  # every tensor in nested lists, tuples and dicts
+_tensors = tensors_in  # every tensor in nested lists, tuples and dicts
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -75,14 +75,11 @@ def _running_wrapper_op(names: modes.OpNames) -> Optional[str]:
     Walks frames, so only for the one call that found an inf/NaN. Every
     wrapper has wrapt's signature, so ``wrapped`` names the op it wraps.
     """
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_globals is wrappers_globals and "wrapped" in f.f_code.co_varnames:
-            wrapped = f.f_locals.get("wrapped")
-            found = names.names(wrapped)
-            return modes.qualname(found[0]) if found else getattr(wrapped, "__qualname__", None)
-        f = f.f_back
-    return None
+    running, wrapped = op_on_stack(sys._getframe(1))
+    if not running:
+        return None
+    found = names.names(wrapped)
+    return modes.qualname(found[0]) if found else getattr(wrapped, "__qualname__", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +201,7 @@ class _OverflowWatch:
     def _marks(self) -> tuple:
         # The newest history entry of each scaler: it changes with every
         # step, and reading it is O(1) however long the history.
-        return tuple(_last_entry(s) for s in getattr(self.amp, "scalers", None) or ())
+        return tuple(_last_entry(s) for s in self.amp.scaling.scalers)
 
     def arm(self) -> None:
         if self.armed:

@@ -59,7 +59,7 @@ def read_history(scaler: object) -> Optional[History]:
 def _scalers(amp: "Session") -> List[Tuple[int, History, Optional[float]]]:
     """``(loss_id, history, current scale or None)`` for every loss scaler."""
     out = []
-    for i, scaler in enumerate(getattr(amp, "scalers", None) or ()):
+    for i, scaler in enumerate(amp.scaling.scalers):
         loss_id = getattr(scaler, "loss_id", i)
         scale = getattr(scaler, "scale", None)
         scale = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
@@ -94,6 +94,11 @@ class Report:
             ``cast_policy="auto"`` ran in FP32, ``kept_why`` says why.
         unlisted: ``{qualname: {calls, first_call_site}}``: ops no list covers
             that ran in FP32 on inputs that could have been half.
+        utilities: ``{utility: {calls, ops, first_call_site}}``: the patched ops
+            torch's gradient and parameter utilities ran when the script called
+            them (``torch.nn.utils.clip_grad_norm_``: its ``stack``, ``__mul__``,
+            ...), counted under the utility, not in ``ops``: they are not the
+            model's ops. ``calls`` counts their op calls, ``ops`` each op's.
         loss_scale: one summary per loss scaler, with its history.
         overflow: the last overflow provenance (``find_overflow``), or None.
         attention: under ``cast_policy="auto"`` (O2/O5's default): one dict per
@@ -103,21 +108,29 @@ class Report:
             (a plain ``loss.backward()`` or a ``scale_loss`` block), the true
             loss, newest 10,000; empty where ``Tensor.backward`` is not patched
             (O0, O3 at a static scale of 1).
+        fp8: at O6/O7, one dict per ``nn.Linear`` of the models: ``layer``,
+            ``shape`` (out, in), ``runs_in`` (``"float8"`` or the model's
+            dtype), ``recipe``, ``why`` it stays out of FP8, and ``calls`` (its
+            forwards, counted under ``collect_stats=True``, else None);
+            ``precision.fp8``.
     """
 
     def __init__(self, opt_level: str, half_dtype: str, device: str, collecting: bool,
                  ledger: Dict[str, Any], loss_scale: List[Dict[str, Any]], overflow: Optional[Provenance],
-                 attention: Optional[List[Dict[str, Any]]] = None, losses: "Optional[loss_log.LossLog]" = None):
+                 attention: Optional[List[Dict[str, Any]]] = None, losses: "Optional[loss_log.LossLog]" = None,
+                 fp8: Optional[List[Dict[str, Any]]] = None):
         self.opt_level = opt_level
         self.half_dtype = half_dtype
         self.device = device
         self.collecting = collecting
         self.ops: Dict[str, Dict[str, Any]] = ledger.get("ops", {})
         self.unlisted: Dict[str, Dict[str, Any]] = ledger.get("unlisted", {})
+        self.utilities: Dict[str, Dict[str, Any]] = ledger.get("utilities", {})
         self.loss_scale = loss_scale
         self.overflow = overflow
         self.attention: List[Dict[str, Any]] = attention or []
         self._losses = losses  # read on the host only when asked: no sync at deinitialize
+        self.fp8: List[Dict[str, Any]] = fp8 or []
 
     @property
     def losses(self) -> List[Tuple[int, int, float]]:
@@ -133,15 +146,18 @@ class Report:
             "collect_stats": self.collecting,
             "ops": self.ops,
             "unlisted": self.unlisted,
+            "utilities": self.utilities,
             "loss_scale": self.loss_scale,
             "overflow": None if self.overflow is None else self.overflow.to_dict(),
             "attention": self.attention,
             "losses": [list(r) for r in self.losses],
+            "fp8": self.fp8,
         }
 
     def __str__(self) -> str:
         lines = [f"amp_patch report: {self.opt_level}, half dtype {self.half_dtype}, {self.device}"]
         lines += self._ops_lines()
+        lines += self._fp8_lines()
         lines += self._attention_lines()
         lines += self._scale_lines()
         lines += self._loss_lines()
@@ -178,6 +194,14 @@ class Report:
             lines.append("kept in float32 by cast_policy='auto' (the half dtype does not win there):")
             body = [(q, f"{o['kept_fp32']} of {o['calls']}", f"e.g. {o['kept_why']}") for q, o in kept]
             lines += ["  " + r for r in _table(("op", "calls", "why"), body, right=(1,))]
+        if self.utilities:
+            lines.append("ops inside torch's utilities (their own arithmetic on your parameters and gradients; "
+                         "not your model's ops, so not in the table above):")
+            rows = sorted(self.utilities.items(), key=lambda uo: (-uo[1]["calls"], uo[0]))
+            body = [(u, str(o["calls"]), ", ".join(f"{q.partition('torch.')[2] or q} {n}" for q, n in
+                                                    sorted(o["ops"].items(), key=lambda qn: (-qn[1], qn[0]))),
+                     _site_text(o["first_call_site"])) for u, o in rows]
+            lines += ["  " + r for r in _table(("utility", "op calls", "ops", "first call site"), body, right=(1,))]
         if self.unlisted:
             lines.append(
                 f"unlisted ops seen (ran in float32 on inputs that could be {self.half_dtype}; "
@@ -188,6 +212,24 @@ class Report:
             lines += ["  " + r for r in _table(("op", "calls", "first call site"), body, right=(1,))]
         else:
             lines.append("unlisted ops seen: none")
+        return lines
+
+    def _fp8_lines(self) -> List[str]:
+        if not self.fp8:
+            return []
+        n = sum(r["runs_in"] == "float8" for r in self.fp8)
+        recipe = next((r["recipe"] for r in self.fp8 if r["recipe"]), None)
+        lines = [f"FP8 layers: {n} of {len(self.fp8)} nn.Linear layers compute in float8"
+                 + (f" (torchao, {recipe} recipe)" if recipe else "")]
+        counted = any(r["calls"] is not None for r in self.fp8)
+        body = []
+        for r in self.fp8:
+            layer = r["layer"] if not r["model"] else f"model{r['model']}.{r['layer']}"
+            calls = "" if r["calls"] is None else str(r["calls"])
+            body.append((layer, f"{r['shape'][0]} x {r['shape'][1]}", r["runs_in"]) + ((calls,) if counted else ())
+                        + (r["why"],))
+        head = ("layer", "out x in", "runs in") + (("calls",) if counted else ()) + ("why not float8",)
+        lines += ["  " + row for row in _table(head, body, right=(3,) if counted else ())]
         return lines
 
     def _attention_lines(self) -> List[str]:
@@ -337,6 +379,7 @@ def report_of(amp: "Session") -> Report:
         attention=[{k: dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in row.items()}
                    for row in attention.decisions()] if amp.config.cast_policy == "auto" else [],
         losses=loss_log.peek(amp),
+        fp8=[row for rec in getattr(amp, "fp8", ()) for row in rec.rows()],
     )
 
 

@@ -281,7 +281,7 @@ def _stepped(amp: "Session", optimizers: Sequence[torch.optim.Optimizer]) -> Set
     """Ids of the parameters ``optimizers`` step: their own, and the half model
     parameters their FP32 masters stand in for."""
     ids = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
-    for h in amp.optimizer_handles.values():
+    for h in amp.scaling.by_optimizer.values():
         if h.masters is not None and any(h.optimizer is opt for opt in optimizers):
             ids.update(id(p) for p in h.masters.halfs)
     return ids

@@ -14,7 +14,12 @@ optimizer step and the loss scaler work in FP32 under ``no_grad`` by design,
 and listing them would bury the ops worth moving.
 
 Calls amp_patch makes itself (the loss scaler's arithmetic) are not counted:
-the ledger describes the user's model. Cost when on: a short walk up the
+the ledger describes the user's model. Calls made from inside torch's
+gradient and parameter utilities (``torch.nn.utils.clip_grad_norm_``,
+``clip_grad_value_``, ``get_total_norm``, ``parameters_to_vector``: the
+modules in ``modes.UTILITY_MODULES``) are not the model's either: they are
+counted under the utility's name (``utilities``), apart from the ops, and
+never as unlisted ops. Cost when on: a short walk up the
 stack, a lock and a few dict updates per patched call, and every torch call
 (patched or not) goes through one Python-level ``TorchFunctionMode``.
 """
@@ -101,6 +106,7 @@ class Ledger:
         self._lock = threading.Lock()
         self.ops: Dict[str, OpStats] = {}
         self.unlisted: Dict[str, List[Any]] = {}  # qualname -> [calls, first site]
+        self.utilities: Dict[str, List[Any]] = {}  # utility -> [op calls, {qualname: calls}, first site]
         self._here = threading.local()
         self._names: Optional[modes.OpNames] = None
 
@@ -110,9 +116,17 @@ class Ledger:
         why ``cast_policy="auto"`` ran this call of a half-list op in FP32."""
         if not getattr(self._here, "watching", False):
             self._watch_here()
-        frame = modes.caller()
+        frame, utility = modes.caller_and_utility()
         if modes.is_internal(frame):
             return  # the loss scaler's own arithmetic is not the user's model
+        if utility is not None:  # clip_grad_norm_'s own arithmetic is not the model's either
+            with self._lock:
+                u = self.utilities.get(utility)
+                if u is None:
+                    u = self.utilities[utility] = [0, {}, modes.site(frame)]
+                u[0] += 1
+                u[1][qualname] = u[1].get(qualname, 0) + 1
+            return
         dtype = _dtype_of(out)
         with self._lock:
             s = self.ops.get(qualname)
@@ -125,6 +139,16 @@ class Ledger:
             if kept:
                 s.kept += 1
                 s.why = s.why or kept
+
+    def count(self, qualname: str, policy: str, dtype: torch.dtype, site: str = "") -> None:
+        """Count one call that runs outside the patched functions: the forward of an
+        FP8 layer at O6/O7 (``precision.fp8``), under its layer name and policy ``"fp8"``."""
+        with self._lock:
+            s = self.ops.get(qualname)
+            if s is None:
+                s = self.ops[qualname] = OpStats(policy, site)
+            s.calls += 1
+            s.dtypes[dtype] = s.dtypes.get(dtype, 0) + 1
 
     def start(self, amp: "Session") -> None:
         """Start watching for unlisted ops on this thread (idempotent).
@@ -168,8 +192,8 @@ class Ledger:
         half = self._names.amp.config.half_dtype
         if not (needs_cast(args, half) or needs_cast(kwargs, half)):
             return
-        frame = modes.caller()
-        if modes.is_internal(frame):
+        frame, utility = modes.caller_and_utility()
+        if modes.is_internal(frame) or utility is not None:
             return
         q = modes.qualname(names[0])
         with self._lock:
@@ -180,11 +204,14 @@ class Ledger:
 
     # -- reading and clearing
     def to_dict(self) -> Dict[str, Any]:
-        """``{"ops": {qualname: {...}}, "unlisted": {qualname: {...}}}``, a copy."""
+        """``{"ops": {qualname: {...}}, "unlisted": {qualname: {...}}, "utilities":
+        {utility: {"calls", "ops": {qualname: calls}, "first_call_site"}}}``, a copy."""
         with self._lock:
             return {
                 "ops": {q: s.to_dict() for q, s in self.ops.items()},
                 "unlisted": {q: {"calls": c, "first_call_site": site} for q, (c, site) in self.unlisted.items()},
+                "utilities": {u: {"calls": c, "ops": dict(ops), "first_call_site": site}
+                              for u, (c, ops, site) in self.utilities.items()},
             }
 
     def reset(self) -> None:
@@ -192,3 +219,4 @@ class Ledger:
         with self._lock:
             self.ops.clear()
             self.unlisted.clear()
+            self.utilities.clear()

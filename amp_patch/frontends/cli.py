@@ -61,7 +61,7 @@ def _run_parser() -> argparse.ArgumentParser:
         "the script path is passed to the script. Each option defaults to its environment variable.",
         allow_abbrev=False,
     )
-    levels = "; ".join(f"{lv}: {preset.does}" for lv, preset in PRESETS.items())
+    levels = "; ".join(_level_help(lv) for lv in PRESETS)
     p.add_argument("--opt-level", metavar=f"{OPT_LEVELS[0]}..{OPT_LEVELS[-1]}",
                    help=f"opt level ({levels}; default $AMP_PATCH_OPT_LEVEL, else O1)")
     p.add_argument("--half-dtype", metavar=HALF_CHOICES, help="low-precision dtype (default $AMP_PATCH_HALF_DTYPE, else FP16 on CUDA, BF16 on CPU)")
@@ -72,6 +72,17 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="print nothing of the launcher's own: no line on what it turned "
                    "on before the script, no summary after it (both on stderr otherwise)")
     return p
+
+
+def _level_help(level: str) -> str:
+    """A few words on ``level`` for ``--help``: O4 and O5 are the BF16 forms of O1 and O2."""
+    preset = PRESETS[level]
+    if preset.bf16:
+        twin = next((p.level for p in PRESETS.values() if not p.bf16 and p.does == preset.does
+                     and p.cast_model_type == preset.cast_model_type), None)
+        if twin is not None:
+            return f"{level}: the BF16 form of {twin} ({preset.does}, in BF16)"
+    return f"{level}: {preset.does}"
 
 
 def _cmd_run(tokens: Sequence[str]) -> int:
@@ -140,17 +151,30 @@ def _main_parser() -> argparse.ArgumentParser:
                    help="print the versions of amp_patch, torch and Python, and whether the C fast path is in use")
     sub = p.add_subparsers(dest="command", metavar="{run,lists,check,check-script,demo,compare}")
     sub.add_parser("run", help="run a training script with AMP on, unmodified", add_help=False)
-    lists = sub.add_parser("lists", help="print the effective op policy after overrides", allow_abbrev=False)
+    lists = sub.add_parser(
+        "lists", help="print the effective op policy after overrides", allow_abbrev=False,
+        description="Print the op policy in force for a dtype and device after every override (--lists, "
+        "$AMP_PATCH_LISTS): each listed op, its policy and the file and line that set it.")
     lists.add_argument("--lists", metavar="FILE.yaml", action="append", default=[], help="op-list override; repeatable (added to $AMP_PATCH_LISTS)")
     _add_half(lists)
-    lists.add_argument("--format", choices=("table", "yaml"), default="table")
+    lists.add_argument("--format", choices=("table", "yaml"), default="table",
+                       help="table: aligned columns for people (the default); yaml: the same policy as an op-list "
+                       "override file, which `amp-patch check` accepts and --lists applies")
     lists.set_defaults(parser=lists)
-    check = sub.add_parser("check", help="validate op-list override files", allow_abbrev=False)
-    check.add_argument("files", metavar="FILE.yaml", nargs="+")
+    check = sub.add_parser(
+        "check", help="validate op-list override files", allow_abbrev=False,
+        description="Validate op-list override files against the shipped lists and this torch, before a long run: "
+        "every problem is printed with its file, line and the nearest valid name. Exit code 0: valid; 1: problems "
+        "found; 2: a file that does not exist.")
+    check.add_argument("files", metavar="FILE.yaml", nargs="+", help="override files, as --lists and $AMP_PATCH_LISTS take them")
     check.set_defaults(parser=check)
-    script = sub.add_parser("check-script", help="list the Apex names a script uses and whether amp_patch serves each "
-                            "(reads the script, runs nothing)", allow_abbrev=False)
-    script.add_argument("script", metavar="SCRIPT.py")
+    script = sub.add_parser(
+        "check-script", help="list the Apex names a script uses and whether amp_patch serves each "
+        "(reads the script, runs nothing)", allow_abbrev=False,
+        description="Read a training script written for NVIDIA Apex, without running it, and list every Apex name it "
+        "uses (apex.amp, apex.parallel, apex.optimizers, ...) with what amp_patch serves it with, or that it does "
+        "not. Exit code 0: every name is served; 1: some are not; 2: the script cannot be read or parsed.")
+    script.add_argument("script", metavar="SCRIPT.py", help="the script to read")
     script.set_defaults(parser=script)
     sub.add_parser("demo", help="train a small network in FP32, O1 and O2 and compare", add_help=False)
     sub.add_parser("compare", help="run a training script at FP32, O1 and O2 (or --levels) and compare its loss step by step",

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import difflib
 import importlib
 import json
 import math
@@ -129,7 +130,7 @@ class _Follower:
         amp = running.session()
         row: Dict[str, Any] = {"t": now, "session": id(amp) if amp is not None else None, "scale": None,
                                "steps": 0, "skipped_so_far": 0}
-        scalers = (getattr(amp, "scalers", None) or []) if amp is not None else []
+        scalers = amp.scaling.scalers if amp is not None else []
         if scalers:
             s = scalers[0]
             row.update(scale=float(s.scale), steps=int(s.steps), skipped_so_far=int(s.skipped))
@@ -657,7 +658,46 @@ class UsageExit(Exception):
         self.code = code
 
 
-class Parser(argparse.ArgumentParser):
+class SuggestingParser(argparse.ArgumentParser):
+    """argparse that names the nearest valid option for a misspelled one
+    (``--opt-lvl``: did you mean ``--opt-level``?), its own or, after a
+    subcommand, the subcommand's; the demo's parser is one."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self.suggestion(extras, ns)}")
+        return ns
+
+    def option_names(self, ns: Optional[argparse.Namespace] = None) -> List[str]:
+        """This parser's option strings and, where ``ns`` chose a subcommand, that subcommand's."""
+        names = [s for a in self._actions for s in a.option_strings]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and ns is not None:
+                sub = action.choices.get(getattr(ns, action.dest, None) or "")
+                if sub is not None:
+                    names += [s for a in sub._actions for s in a.option_strings]
+        return names
+
+    def suggestion(self, extras: Sequence[str], ns: Optional[argparse.Namespace] = None) -> str:
+        """`` (did you mean --opt-level?)`` for the unrecognized options that are near a valid one."""
+        names = [n for n in self.option_names(ns) if n.startswith("--")]
+        pairs = []
+        for tok in extras:
+            if not tok.startswith("--"):
+                continue
+            word = tok.split("=", 1)[0]
+            near = difflib.get_close_matches(word, names, n=1, cutoff=0.75)
+            if near:
+                pairs.append((word, near[0]))
+        if not pairs:
+            return ""
+        if len(pairs) == 1 and sum(tok.startswith("-") for tok in extras) == 1:
+            return f" (did you mean {pairs[0][1]}?)"
+        return " (did you mean " + ", ".join(f"{near} for {word}" for word, near in pairs) + "?)"
+
+
+class Parser(SuggestingParser):
     """argparse whose exit raises ``UsageExit``: the CLI's parsers (``cli`` uses it too)."""
 
     def exit(self, status: int = 0, message: Optional[str] = None):

@@ -18,13 +18,15 @@ round, and each figure is the median over rounds with its spread (half the
 interquartile range, over the median). On a CPU every worker runs one thread
 by default and a step's time is the worker's CPU time, which time the core
 spends on other work does not count. The demo says when the figures cannot be
-trusted: a spread above ``NOISY_SPREAD``, or a load average above the number
-of cores before it started.
+trusted: a speedup whose spread over rounds is above ``NOISY_SPREAD`` (a
+speedup is a ratio of two blocks of the same round, so other work that slows
+every mode alike cancels out of it; the load average is reported, not judged).
 
 The default sizes take well under a minute on two CPU cores; ``--full`` runs
 the tutorial's own sizes and step count (4096 wide, batch 512, 50 batches,
-250 steps per mode), prints how long that will take once the warm-up has
-measured each mode, and its progress round by round.
+250 steps per mode), says up front about how long that will take (from one
+matmul of its size timed before anything else starts), again once the warm-up
+has measured each mode, and its progress round by round.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ from ..diagnostics.stats import dtype_name
 from ..base.errors import ConfigError
 from ..scaling.checkpoint import counters
 from ..precision import kernel
+from .compare import SuggestingParser
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -73,8 +76,10 @@ SIZES = {"cpu": dict(size=1024, batch_size=256), "cuda": dict(size=4096, batch_s
 #: the default rounds and timed steps per mode: a fixed count, so the loss column is the same in every run
 ROUNDS = 7
 STEPS = 42
-#: a figure whose spread over rounds (half its IQR, over its median) is above this is noise
+#: a speedup whose spread over rounds (half its IQR, over its median) is above this is noise
 NOISY_SPREAD = 0.10
+#: matmuls of one training step of SimpleNet: 3 forward, 3 weight gradients, 2 input gradients
+MATMULS_PER_STEP = 8
 
 
 class SimpleNet(nn.Module):
@@ -133,28 +138,55 @@ def spread(values: Sequence[float]) -> float:
     return (q3 - q1) / 2 / med if med else math.inf
 
 
-def noise_verdict(speedups: Dict[str, Sequence[float]], load: Optional[float], cores: int,
-                  threshold: float = NOISY_SPREAD) -> List[str]:
-    """Why the figures are too noisy to mean much; empty when they hold.
-
-    Args:
-        speedups: each mode's speedup over FP32, one per round.
-        load: the 1-minute load average before the demo started (None: unknown).
-        cores: CPU cores of the machine.
-        threshold: the largest spread (``spread``) a speedup may have.
+def round_speedups(times: Dict[str, Sequence[float]]) -> Dict[str, List[float]]:
+    """Each mode's speedup over FP32 in every round: FP32's step time over the
+    mode's, both from the same round (empty without FP32).
 
     Example::
 
-        noise_verdict({"O1": [1.9, 2.0, 2.1, 2.0]}, load=0.2, cores=2)   # []
+        round_speedups({"FP32": [2.0, 3.0], "O1": [1.0, 1.5]})   # {"O1": [2.0, 2.0]}
+    """
+    fp32 = times.get("FP32")
+    if not fp32:
+        return {}
+    return {m: [f / t for f, t in zip(fp32, ts)] for m, ts in times.items() if m != "FP32" and ts}
+
+
+def noise_verdict(times: Dict[str, Sequence[float]], threshold: float = NOISY_SPREAD) -> List[str]:
+    """Why the figures are too noisy to mean much; empty when they hold.
+
+    Judged on the speedups (``round_speedups``), never on the step times: a
+    machine shared with other work moves every mode's time from round to
+    round, but the two blocks of a round see the same machine, so their ratio
+    holds while the times swing. A speedup whose spread over the rounds
+    (``spread``: half its interquartile range, over its median) is above
+    ``threshold`` is noise.
+
+    Args:
+        times: each mode's step time in every round, FP32's among them.
+        threshold: the largest spread a speedup may have (default ``NOISY_SPREAD``, ±10%).
+
+    Example::
+
+        noise_verdict({"FP32": [2.0, 3.0, 2.4, 2.1], "O1": [1.0, 1.5, 1.2, 1.05]})   # [] (2.00x every round)
     """
     reasons = []
-    for mode, values in speedups.items():
+    for mode, values in round_speedups(times).items():
         s = spread(values)
         if s > threshold:
             reasons.append(f"{mode}'s speedup varies ±{s:.0%} over {len(values)} rounds (more than ±{threshold:.0%})")
-    if load is not None and load > cores:
-        reasons.append(f"the load average was {load:.1f} on {cores} cores before the demo started: other work shares the machine")
     return reasons
+
+
+def memory_note(results: Sequence["Result"]) -> Optional[str]:
+    """Why O2's peak memory is above FP32's, where it is; None where it is not."""
+    peaks = {r.mode: r.peak_bytes for r in results if not r.unavailable and r.peak_bytes}
+    if "FP32" not in peaks or "O2" not in peaks or peaks["O2"] <= peaks["FP32"]:
+        return None
+    return (f"O2's peak memory ({_mib(peaks['O2'])}) is above FP32's ({_mib(peaks['FP32'])}) here: on a model this "
+            "small its FP32 master weights, the half copy of the weights and Adam's state outweigh what half "
+            "activations save; O2 saves memory where activations dominate (larger batches, longer sequences, "
+            "deeper networks).")
 
 
 # ------------------------------------------------------------------ hardware
@@ -353,6 +385,7 @@ class Trainer:
 
     def __init__(self, mode: str, config: Dict[str, Any], device: torch.device):
         self.mode, self.device = mode, device
+        self.warmup = config["warmup"]
         self.data = make_data(config["size"], config["batch_size"], config["batches"], config["seed"], device)
         torch.manual_seed(config["seed"])
         self.model = SimpleNet(config["size"], config["size"]).to(device)
@@ -382,21 +415,29 @@ class Trainer:
             "final_loss": float(self.loss.detach()),
             "layers": _layer_dtypes(self.model, *self.data[0], self.loss_fn),
             "peak_bytes": _peak_memory(lambda: self.step(*self.data[0]), self.model, self.optimizer, self.data[0], self.device),
-            "step": _step_kind(self.mode),
+            "step": _step_kind(self.mode, self.warmup, self.i - self.warmup),
         }
         if self.mode != "FP32":
             frontend.deinitialize()
         return out
 
 
-def _step_kind(mode: str) -> str:
-    """Which optimizer step an O1/O2/O4/O5 run took: the default one-pass step, or the plain one."""
+def step_counts(warmup: int, timed: int) -> str:
+    """The steps one mode trains, by what each is for, as the demo labels them everywhere."""
+    return f"{warmup} warm-up + {timed} timed + 1 measuring peak memory"
+
+
+def _step_kind(mode: str, warmup: int, timed: int) -> str:
+    """Which optimizer step an O1/O2/O4/O5 run took: the default one-pass step, or the plain one.
+    ``warmup`` and ``timed``: the steps it trained before the one that measures peak memory."""
     if mode not in ("O1", "O2", "O4", "O5"):
         return ""
     c = counters()
     one, total = c["optimizers"][0]["one_pass"], c["steps"]
     if one:
-        return f"{mode}'s optimizer step (the default, no option): one pass in C per parameter for {one} of {total} steps"
+        counted = f" ({step_counts(warmup, timed)})" if total == warmup + timed + 1 else ""
+        return (f"{mode}'s optimizer step (the default, no option): one pass in C per parameter for {one} of "
+                f"its {total} steps{counted}")
     if kernel.native is None:
         return f"{mode}'s optimizer step: the plain step (the one-pass C step is not built here)"
     return f"{mode}'s optimizer step: the plain step (this optimizer is not one the one-pass step covers)"
@@ -462,8 +503,8 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
     untimed, then ``args.steps`` in ``args.rounds`` blocks.
 
     Returns:
-        one ``Result`` per mode, and each mode's speedups over FP32, one per
-        round (none when FP32 is not among the modes).
+        one ``Result`` per mode, and each mode's step time in every round
+        (``noise_verdict`` and ``round_speedups`` read them).
     """
     ctx = _context(device)
     config = _config(args)
@@ -484,7 +525,6 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
             workers[mode] = (proc, parent)
             warm[mode] = msg[1]
             results[mode] = Result(mode, first_loss=msg[2])
-        speedups: Dict[str, List[float]] = {m: [] for m in workers if m != "FP32"}
         if not workers:
             return [results[m] for m in modes], {}
         total = args.steps
@@ -504,9 +544,6 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
                 workers[mode][1].send(("run", n))
                 this[mode] = workers[mode][1].recv()
                 times[mode].append(this[mode])
-            if "FP32" in this:
-                for mode in speedups:
-                    speedups[mode].append(this["FP32"] / this[mode])
             done += n
             if args.progress:
                 left = (time.perf_counter() - started) / done * (total - done)
@@ -517,6 +554,7 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
         if args.progress and not args.full:
             sys.stderr.write("\r" + " " * 100 + "\r")
             sys.stderr.flush()
+        speedups = round_speedups(times)
         for mode, (proc, conn) in workers.items():
             conn.send(("finish", None))
             res = results[mode]
@@ -534,7 +572,44 @@ def measure(modes: Sequence[str], args: argparse.Namespace, device: torch.device
         for proc, conn in workers.values():
             if proc.is_alive():
                 proc.terminate()
-    return [results[m] for m in modes], {m: v for m, v in speedups.items() if v}  # none without FP32
+    return [results[m] for m in modes], times
+
+
+def _matmul_seconds(rows: int, size: int, dtype: torch.dtype, device: torch.device, threads: int) -> float:
+    """Seconds of one ``(rows, size) @ (size, size)`` matmul here, best of three
+    (timed on a slice of at most 64 rows and scaled: a probe, not a benchmark).
+    On a CPU it runs on one thread (the workers are forked from this process
+    afterwards; it starts no thread pool before they are) and counts ``threads``
+    as that many times faster."""
+    probe = min(rows, 64)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(probe, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        best = math.inf
+        for _ in range(3):
+            _sync(device)
+            t0 = time.perf_counter()
+            a @ b
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(saved)
+    return best * rows / probe / (threads if device.type == "cpu" else 1)
+
+
+def estimate_seconds(modes: Sequence[str], args: argparse.Namespace, device: torch.device) -> float:
+    """About how long the whole demo takes, before any of it runs: per mode its
+    data (a matmul per batch, in FP32) and every step it trains
+    (``MATMULS_PER_STEP`` matmuls each, in the mode's dtype), from one matmul
+    of each dtype timed here. The other work of a step (the optimizer, the
+    activations) is left out: the figure is a floor, good to a factor of two."""
+    half = torch.float16 if device.type == "cuda" else torch.bfloat16
+    per = {dt: _matmul_seconds(args.batch_size, args.size, dt, device, args.threads) for dt in {torch.float32, half}}
+    steps = args.warmup + args.steps + 1
+    return sum(args.batches * per[torch.float32] + steps * MATMULS_PER_STEP * per[torch.float32 if m == "FP32" else half]
+               for m in modes)
 
 
 def _duration(seconds: float) -> str:
@@ -571,7 +646,7 @@ def format_table(results: Sequence[Result]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = SuggestingParser(
         prog="amp-patch demo",
         description="Train the Paddle AMP tutorial's SimpleNet in FP32, O1 and O2 and compare them, "
         "each mode in a worker process of its own, in interleaved rounds.",
@@ -664,7 +739,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     timing = "CPU time" if args.threads == 1 and device.type == "cpu" else "wall clock"
     print(
         f"amp_patch demo: SimpleNet (3 x Linear {args.size}->{args.size}, ReLU), MSE loss, Adam; "
-        f"batch {args.batch_size}, {args.steps} timed steps after {args.warmup} warm-up; "
+        f"batch {args.batch_size}; steps per mode: {step_counts(args.warmup, args.steps)}; "
         f"{device.type} ({'CUDA' if device.type == 'cuda' else 'CPU'} half dtype: {half})",
         flush=True,
     )
@@ -676,19 +751,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     emulated = device.type == "cpu" and not setup_checks.cpu_has_native_bf16()
     if emulated:
         print(f"Note: {NO_NATIVE_BF16} Expect O1 and O2 to be slower than FP32 in this run.", flush=True)
-    results, speedups = measure(modes, args, device, quiet_bf16=emulated)
+    estimate = estimate_seconds(modes, args, device)
+    if args.full or estimate > 60:  # said before the long part starts: building the data and warming up count too
+        print(f"This takes about {_duration(estimate)} or more: {len(modes)} modes, each building {args.batches} "
+              f"batches and training {args.warmup + args.steps + 1} steps (from one matmul of this size timed "
+              f"just now; a second estimate follows the warm-up)", flush=True)
+    results, times = measure(modes, args, device, quiet_bf16=emulated)
     print()
     print(format_table(results))
+    note = memory_note(results)
+    if note:
+        print("\n" + note)
     for r in results:
         if r.step:
             print("\n" + r.step)
-    reasons = noise_verdict(speedups, load, cores)
+    reasons = noise_verdict(times)
+    speedups = round_speedups(times)
     if reasons:
-        print(f"\nToo noisy to trust these figures: {'; '.join(reasons)}. Run it again on an idle machine, "
-              f"or with more --rounds.")
+        print(f"\nToo noisy to trust these figures: {'; '.join(reasons)}. Run it again with more --rounds, "
+              f"or on a quieter machine.")
     elif speedups:
         worst = max(spread(v) for v in speedups.values())
-        print(f"\nSteady: every speedup within ±{worst:.0%} over {args.rounds} rounds (noisy above ±{NOISY_SPREAD:.0%}).")
+        print(f"\nSteady: every speedup within ±{worst:.0%} over {args.rounds} rounds (judged noisy above "
+              f"±{NOISY_SPREAD:.0%}; each speedup is a ratio within one round, so other work that slows every "
+              f"mode alike cancels out).")
+    if speedups and load is not None and load > cores:
+        print(f"The load average was {load:.1f} on {cores} cores at the start: other work shares the machine; "
+              f"the spread above is what it did to the speedups.")
     if emulated:
         print(
             f"\n{NO_NATIVE_BF16} The speedup needs a CPU that has them (a Xeon with AMX: "

@@ -7,6 +7,8 @@ every override, with the file and line it came from.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -14,6 +16,7 @@ import yaml
 
 from .. import oplists
 from ..config import default_half_dtype, parse_dtype
+from .schema import POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Row:
     origin: str  # "default" or "override"
     note: str = ""  # e.g. "missing from torch 2.x", "banned under float16", "in-place form of exp"
     missing: bool = False
+    derived_from: str = ""  # the out-of-place op this in-place form follows (no list names it)
 
 
 def effective(lists: Sequence[str] = (), half_dtype=None, device: Optional[str] = None) -> Tuple[List[Row], torch.dtype, str]:
@@ -63,14 +67,15 @@ def effective(lists: Sequence[str] = (), half_dtype=None, device: Optional[str] 
         if missing:
             note = f"missing from torch {torch.__version__}; not patched"
         origin = "default" if e.source.rpartition(":")[0] in defaults else "override"
-        chosen[e.key] = Row(e.namespace, e.name, policy, e.source, origin, note, missing)
+        chosen[e.key] = Row(e.namespace, e.name, policy, e.source, origin, note, missing, e.derived_from)
     order = {ns: i for i, ns in enumerate(oplists.NAMESPACES)}
     rows = sorted(chosen.values(), key=lambda r: (order[r.namespace], r.op))
     return rows, dtype, device
 
 
 def render(lists: Sequence[str] = (), half_dtype=None, device: Optional[str] = None, fmt: str = "table") -> str:
-    """The effective policy as text: an aligned table or a YAML document.
+    """The effective policy as text: an aligned table, or (``fmt="yaml"``) an
+    op-list override file that sets it (``override_yaml``).
 
     Example::
 
@@ -79,16 +84,7 @@ def render(lists: Sequence[str] = (), half_dtype=None, device: Optional[str] = N
     rows, dtype, device = effective(lists, half_dtype, device)
     dname = str(dtype).rpartition(".")[2]
     if fmt == "yaml":
-        ops: Dict[str, Dict[str, dict]] = {}
-        for r in rows:
-            item = {"policy": r.policy, "source": r.source, "origin": r.origin}
-            if r.note:
-                item["note"] = r.note
-            if r.missing:
-                item["missing"] = True
-            ops.setdefault(r.namespace, {})[r.op] = item
-        doc = {"half_dtype": dname, "device": device, "torch": str(torch.__version__), "ops": ops}
-        return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+        return override_yaml(rows, dtype, device)
     head = ("namespace", "op", "policy", "source", "note")
     body = [(r.namespace, r.op, r.policy, f"{r.origin} {r.source}", r.note) for r in rows]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
@@ -101,6 +97,82 @@ def render(lists: Sequence[str] = (), half_dtype=None, device: Optional[str] = N
     summary = ", ".join(f"{n} {p}" for p, n in sorted(counts.items()))
     n_missing = sum(r.missing for r in rows)
     lines.append(f"# {len(rows)} ops: {summary}" + (f"; {n_missing} missing from this torch" if n_missing else ""))
+    return "\n".join(lines) + "\n"
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+
+
+def _scalar(text: str) -> str:
+    """``text`` as a YAML scalar: plain where YAML reads it back as the same string."""
+    if _NAME.fullmatch(text) and yaml.safe_load(text) == text:
+        return text
+    return json.dumps(text)  # a JSON string is a YAML double-quoted scalar
+
+
+def _removed(rows: Sequence[Row], dtype: torch.dtype, device: str) -> List[Tuple[str, str]]:
+    """The ops the shipped lists give a policy here that the effective table does
+    not have: an override (``remove``) took them off; a file that sets the effective
+    policy must take them off too."""
+    dname = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    _, shipped = oplists.collect_problems([])
+    kept = {(r.namespace, r.op) for r in rows}
+    return sorted({e.key for e in shipped.entries if e.applies(dname, device)} - kept)
+
+
+def override_yaml(rows: Sequence[Row], dtype: torch.dtype, device: str) -> str:
+    """The effective policy ``rows`` as an op-list override file.
+
+    ``amp-patch check`` accepts it, and ``--lists`` / ``initialize(lists=...)``
+    loaded with it give the same policy for this dtype and device: every op
+    under its policy, ``remove`` for the shipped ops an override took off, and
+    ``optional: true`` for the ops this torch lacks. The in-place forms that
+    follow their op (``exp_`` after ``exp``) are not listed: the loader derives
+    them again. Where each policy came from (file and line) and the notes are
+    YAML comments. Loaded under another dtype or device, the file sets these
+    policies there too (the ``when`` conditions that chose them are not kept).
+    """
+    dname = str(dtype).rpartition(".")[2]
+    followers: Dict[Tuple[str, str], List[str]] = {}
+    for r in rows:
+        if r.derived_from:
+            followers.setdefault((r.namespace, r.derived_from), []).append(r.op)
+    by_ns: Dict[str, Dict[str, List[Tuple[str, bool, str]]]] = {}
+    for r in rows:
+        if r.derived_from:
+            continue
+        notes = [f"{r.origin} {r.source}"]
+        if r.note:
+            notes.append(r.note)
+        if (r.namespace, r.op) in followers:
+            notes.append("in-place " + ", ".join(followers[(r.namespace, r.op)]) + " follows it")
+        by_ns.setdefault(r.namespace, {}).setdefault(r.policy, []).append((r.op, r.missing, "; ".join(notes)))
+    for ns, op in _removed(rows, dtype, device):
+        why = "taken off by an override"
+        by_ns.setdefault(ns, {}).setdefault("remove", []).append((op, not oplists.op_exists(ns, op), why))
+    lines = [
+        f"# The effective op policy for {dname} on {device} (torch {torch.__version__}), as an op-list",
+        "# override: `amp-patch check` accepts this file, and --lists FILE or initialize(lists=FILE)",
+        "# applies it. It sets every op below under every dtype and device; in-place forms that",
+        "# follow their op (exp_ after exp) are derived again and not listed. After each op: where",
+        "# its policy came from (default: the shipped lists; override: --lists or AMP_PATCH_LISTS).",
+    ]
+    for ns in oplists.NAMESPACES:
+        policies = by_ns.get(ns)
+        if not policies:
+            continue
+        lines.append(f"{_scalar(ns)}:")
+        for policy in (*POLICIES, "remove"):
+            ops = policies.get(policy)
+            if not ops:
+                continue
+            lines.append(f"  {policy}:")
+            for op, missing, comment in sorted(ops):
+                if missing:
+                    lines.append(f"    - name: {_scalar(op)}  # {comment}")
+                    lines.append("      optional: true")
+                else:
+                    lines.append(f"    - {_scalar(op)}  # {comment}")
     return "\n".join(lines) + "\n"
 
 

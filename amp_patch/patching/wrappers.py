@@ -45,7 +45,8 @@ import os
 import sys
 from threading import get_ident
 from types import MethodType, ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple
 
 import torch
 import wrapt
@@ -80,8 +81,30 @@ switch = _Switch()
 
 # Non-empty while every patched call must run the Python wrappers, never the C
 # fast path: overflow provenance finds the op being cast from their frames
-# (``amp_patch.diagnostics.modes`` fills it while the watching mode has observers).
+# (``need_python``: ``amp_patch.diagnostics.modes`` asks while the watching mode has
+# observers). The C fast path reads it (``_fastpath.c``): a dict, filled only here.
 python_only: dict = {}
+
+
+def need_python(reason: str, on: bool = True) -> None:
+    """Make every patched call take the Python wrappers (``on``) for ``reason``, or
+    stop asking; the C fast path comes back when no reason is left."""
+    if on:
+        python_only[reason] = True
+    else:
+        python_only.pop(reason, None)
+
+
+def op_on_stack(frame: Optional[FrameType]) -> Tuple[bool, object]:
+    """``(True, op)`` for the innermost casting wrapper running on the stack from
+    ``frame`` outwards (every wrapper has wrapt's signature: its ``wrapped`` is the
+    op), ``(False, None)`` when none is. Walks frames: for rare calls only."""
+    f = frame
+    while f is not None:
+        if f.f_globals is _GLOBALS and "wrapped" in f.f_code.co_varnames:
+            return True, f.f_locals.get("wrapped")
+        f = f.f_back
+    return False, None
 
 
 class Live:
@@ -162,6 +185,11 @@ def _promote_target(obj: object) -> Optional[torch.dtype]:
         else:
             zero = dt if zero is None or zero is dt else f32
     return dims if dims is not None else zero
+
+
+def tensors_in(obj: object) -> Iterator[Tensor]:
+    """Every tensor in ``obj``: itself, or inside nested lists, tuples and dicts."""
+    return _tensors(obj)
 
 
 def _tensors(obj: object) -> Iterator[Tensor]:

@@ -679,7 +679,8 @@ static int as_ptr(PyObject *o, void **out) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* items: a sequence of tuples (p, g, gk, a, b, c, h, hk, n, step, init); pointers as ints (0/None: absent) */
+/* items: a sequence of tuples (p, g, gk, a, b, c, h, hk, n, step, init), read by position: kernel.py's
+   Item and Move name the positions (Move's last one is absorb's mode); pointers as ints (0/None: absent) */
 static Item *parse_items(PyObject *seq, Py_ssize_t *count) {
     PyObject *fast = PySequence_Fast(seq, "items must be a sequence of tuples");
     if (!fast) return NULL;
@@ -722,16 +723,29 @@ static PyObject *finish(Item *items, int bad) {
     return PyBool_FromLong(bad);
 }
 
+/* skip: the address of an FP32 flag (0/None: none); when it holds a value other than 0 the step
+   is skipped: nothing is read or written, Adam's step counts do not advance. Read here, in host
+   memory, as the step starts: the sync-free skip of amp_patch.scaling on the CPU. */
+static int skipped(PyObject *o) {
+    void *flag = NULL;
+    if (!o || as_ptr(o, &flag) || !flag) return 0;
+    return *(const float *)flag != 0.0f;
+}
+
 PyDoc_STRVAR(sgd_doc,
-"sgd(items, threads, inv, maximize, weight_decay, momentum, dampening, nesterov, lr) -> found_inf\n\n"
+"sgd(items, threads, inv, maximize, weight_decay, momentum, dampening, nesterov, lr, skip=0) -> found_inf\n\n"
 "torch.optim.SGD's update of each item (p, g, gk, momentum_buffer, _, _, h, hk, n, _, init), the gradient\n"
-"multiplied by inv as it is read; returns True if a gradient element was inf or NaN.");
+"multiplied by inv as it is read; returns True if a gradient element was inf or NaN. skip: the address\n"
+"of an FP32 flag; when it is not 0 nothing is done (returns False).");
 
 static PyObject *py_sgd(PyObject *self, PyObject *args) {
-    PyObject *seq;
+    PyObject *seq, *skip = NULL;
     int threads, maximize, nesterov;
     double inv, wd, mom, damp, lr;
-    if (!PyArg_ParseTuple(args, "Oidpdddpd", &seq, &threads, &inv, &maximize, &wd, &mom, &damp, &nesterov, &lr)) return NULL;
+    if (!PyArg_ParseTuple(args, "Oidpdddpd|O", &seq, &threads, &inv, &maximize, &wd, &mom, &damp, &nesterov, &lr, &skip))
+        return NULL;
+    if (skipped(skip)) Py_RETURN_FALSE;
+    if (PyErr_Occurred()) return NULL;
     Hyper hp;
     memset(&hp, 0, sizeof hp);
     hp.inv = (float)inv;
@@ -755,16 +769,19 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(adam_doc,
-"adam(items, threads, inv, maximize, weight_decay, decoupled, lr, beta1, beta2, eps, amsgrad) -> found_inf\n\n"
+"adam(items, threads, inv, maximize, weight_decay, decoupled, lr, beta1, beta2, eps, amsgrad, skip=0) -> found_inf\n\n"
 "torch.optim.Adam's (AdamW's: decoupled) update of each item (p, g, gk, exp_avg, exp_avg_sq, max_exp_avg_sq,\n"
-"h, hk, n, step, _), its step count advanced by one.");
+"h, hk, n, step, _), its step count advanced by one. skip: as for sgd.");
 
 static PyObject *py_adam(PyObject *self, PyObject *args) {
-    PyObject *seq;
+    PyObject *seq, *skip = NULL;
     int threads, maximize, decoupled, amsgrad;
     double inv, wd, lr, beta1, beta2, eps;
-    if (!PyArg_ParseTuple(args, "Oidpdpddddp", &seq, &threads, &inv, &maximize, &wd, &decoupled, &lr, &beta1, &beta2, &eps, &amsgrad))
+    if (!PyArg_ParseTuple(args, "Oidpdpddddp|O", &seq, &threads, &inv, &maximize, &wd, &decoupled, &lr, &beta1, &beta2, &eps,
+                          &amsgrad, &skip))
         return NULL;
+    if (skipped(skip)) Py_RETURN_FALSE;
+    if (PyErr_Occurred()) return NULL;
     Hyper hp;
     memset(&hp, 0, sizeof hp);
     hp.adam = 1;

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 import torch
 from torch.optim.optimizer import _get_scalar_dtype, _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from ..base.counts import DeviceCount
 from .fsdp import is_dtensor, local
 
 if TYPE_CHECKING:
@@ -181,6 +182,41 @@ class Entry(NamedTuple):
     key: Optional[Tensor] = None  # the optimizer's parameter where ``p`` is its local shard
 
 
+class Item(NamedTuple):
+    """One tensor's work as ``_fusedstep.c`` reads it (a tuple: the C side parses it by
+    position, ``parse_items``; the names say what each position holds). Addresses are
+    ints, 0 where absent; kinds are ``KINDS``' codes."""
+
+    p: int  # the FP32 parameter (a step) or FP32 destination gradient (``absorb``)
+    g: int  # the gradient read
+    gk: int  # its kind
+    a: int  # exp_avg, or SGD's momentum buffer
+    b: int  # exp_avg_sq
+    c: int  # max_exp_avg_sq (amsgrad)
+    h: int  # the half weight the step writes (O2/O5)
+    hk: int  # its kind
+    n: int  # elements
+    step: int  # Adam's FP32 step count
+    init: int  # a step: 1 where SGD's first momentum buffer is written (the gradient itself)
+
+
+class Move(NamedTuple):
+    """One half gradient moved into its FP32 destination (``_fusedstep.c``'s ``absorb``):
+    the same positions as ``Item``, the state slots empty and the last one the mode."""
+
+    dst: int  # the FP32 destination
+    g: int  # the half gradient
+    gk: int  # its kind
+    a: int = 0
+    b: int = 0
+    c: int = 0
+    h: int = 0
+    hk: int = 0
+    n: int = 0  # elements
+    step: int = 0
+    mode: int = 0  # ``WRITE``, ``ADD`` or ``ZERO_ADD``
+
+
 class Plan(NamedTuple):
     """One step's work: per param group ``(entries, halfs)``."""
 
@@ -243,9 +279,8 @@ def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: float, found: int) -> N
     pass: check it for inf/NaN (into the FP32 flag at address ``found``; 0: not
     checked), multiply it by ``inv`` and write or add it (``mode``). Every ``g`` is
     ``absorbable`` and every ``dst`` a contiguous CPU FP32 tensor of its size."""
-    items = [(dst.data_ptr(), g.data_ptr(), KINDS[g.dtype], 0, 0, 0, 0, 0, dst.numel(), 0, mode)
-             for dst, g, mode in moves]
-    native.absorb(items, threads_for(sum(it[8] for it in items)), inv, found)
+    items = [Move(dst.data_ptr(), g.data_ptr(), KINDS[g.dtype], n=dst.numel(), mode=mode) for dst, g, mode in moves]
+    native.absorb(items, threads_for(sum(it.n for it in items)), inv, found)
 
 
 class KernelStep:
@@ -261,7 +296,8 @@ class KernelStep:
     def __init__(self, optimizer: torch.optim.Optimizer, masters: Optional[MasterWeights] = None):
         self.opt = optimizer
         self.mw = masters  # master.MasterWeights, or None for an FP32 model's own parameters
-        self.steps = 0  # steps the kernel took
+        self.runs = 0  # steps the kernel was called for
+        self._skipped = DeviceCount()  # of those, skipped on a device flag (read when asked)
         self.adam = type(optimizer) is not SGD
         # Adam's square root matches torch's bit for bit unless sqrt_mode() is
         # "approximate"; O2's masters accept the stated ulp bound there, an FP32
@@ -270,15 +306,18 @@ class KernelStep:
         #: the optimizer's step as the plain step would call it (set when amp_patch patches the optimizer)
         self.original: Optional[Callable[..., Any]] = None
 
-    def plan(self) -> Optional[Plan]:
+    def plan(self, flagged: bool = False) -> Optional[Plan]:
         """The work of this step, or None when the plain step must run. Changes nothing
         (optimizer state the first step needs is made by ``run``, once the step is taken).
 
         The gradients are the masters' FP32 ones (unscaled) and the FP32
-        parameters' own.
+        parameters' own. ``flagged``: the step comes with a device skip flag, which
+        the plain step would have to read on the host; without masters the kernel
+        then takes every step it computes exactly, worth it or not.
         """
         mw, opt = self.mw, self.opt
-        if native is None or (mw is None and not self._worth_it()) or torch.compiler.is_compiling() \
+        wanted = mw is not None or (self.exact if flagged else self._worth_it())
+        if native is None or not wanted or torch.compiler.is_compiling() \
                 or refused(opt, self.original) is not None:
             return None
         groups = []
@@ -348,9 +387,13 @@ class KernelStep:
             return False
         return (a, b, c, step)
 
-    def _items(self, group: Dict[str, Any], entries: List[Entry]) -> List[tuple]:
+    def _items(self, group: Dict[str, Any], entries: List[Entry], skip: Optional[Tensor] = None) -> List[Item]:
         """The kernel's items for ``entries``, making the state a first step creates as
-        the optimizer's own first step makes it (same tensors, same keys, same order)."""
+        the optimizer's own first step makes it (same tensors, same keys, same order).
+        With a ``skip`` flag the state is made whether or not the step is taken, as
+        torch's ``fused`` optimizers make it under ``GradScaler``: Adam's at step 0,
+        SGD's momentum buffer zeroed (a skipped first step leaves it so, and the next
+        step's ``momentum * 0 + g`` is torch's first buffer ``g``)."""
         state = self.opt.state
         items = []
         for e in entries:
@@ -368,7 +411,8 @@ class KernelStep:
                     st = (local(s["exp_avg"]), local(s["exp_avg_sq"]),
                           local(s["max_exp_avg_sq"]) if group["amsgrad"] else None, s["step"])
                 else:  # SGD's first momentum buffer is the gradient itself: the kernel writes it
-                    buf = torch.empty_like(owner, memory_format=torch.preserve_format)
+                    make = torch.empty_like if skip is None else torch.zeros_like
+                    buf = make(owner, memory_format=torch.preserve_format)
                     state[owner]["momentum_buffer"] = buf
                     st, init = (local(buf), None, None, None), 1
             a, b, c, step = st
@@ -377,41 +421,62 @@ class KernelStep:
                 # update, but Adam's step count advances as torch's step advances it
                 if step is not None:
                     step += 1
+                    if skip is not None:
+                        step -= skip  # a device op: the count stays where a skipped step leaves it
                 continue
-            items.append((p.data_ptr(), g.data_ptr(), KINDS[g.dtype], _ptr(a), _ptr(b), _ptr(c), _ptr(h),
+            items.append(Item(p.data_ptr(), g.data_ptr(), KINDS[g.dtype], _ptr(a), _ptr(b), _ptr(c), _ptr(h),
                           KINDS[h.dtype] if h is not None else 0, p.numel(), _ptr(step), init))
         return items
 
+    def takes_flag(self, plan: Plan) -> bool:
+        """Whether ``run(plan, skip=flag)`` computes what a step decided on the host
+        computes: not where it would make SGD's first momentum buffer with dampening
+        (torch's first buffer is the undamped gradient, which a zeroed one cannot give)."""
+        if self.adam:
+            return True
+        return not any(e.state is None and g["dampening"] != 0
+                       for g, (entries, _) in zip(self.opt.param_groups, plan.groups) for e in entries)
+
     @torch.no_grad()
-    def run(self, plan: Plan) -> bool:
+    def run(self, plan: Plan, skip: Optional[Tensor] = None) -> bool:
         """Update every param group of ``plan`` from its true gradients (the kernel's
         inverse scale is 1); write the half weights. Returns True (it cannot fail).
 
+        ``skip``: a 0-d FP32 CPU flag (sync-free steps): when it is not 0 the kernel
+        changes nothing (``takes_flag`` says where the first step allows it).
         Leaves the masters' gradients to the optimizer's ``zero_grad``, as the plain step does.
         """
         opt = self.opt
         inv = 1.0
+        at = 0 if skip is None else skip.data_ptr()
         for group, (entries, halfs) in zip(opt.param_groups, plan.groups):
             if not entries:
                 continue
-            items = self._items(group, entries)
-            threads = threads_for(sum(it[8] for it in items))
+            items = self._items(group, entries, skip)
+            threads = threads_for(sum(it.n for it in items))
             if not items:
                 pass
             elif self.adam:
                 b1, b2 = group["betas"]
                 decoupled = bool(group.get("decoupled_weight_decay", type(opt) is ADAMW))
                 native.adam(items, threads, inv, group["maximize"], group["weight_decay"], decoupled, group["lr"],
-                            b1, b2, group["eps"], group["amsgrad"])
+                            b1, b2, group["eps"], group["amsgrad"], at)
             else:
                 native.sgd(items, threads, inv, group["maximize"], group["weight_decay"], group["momentum"],
-                           group["dampening"], group["nesterov"], group["lr"])
+                           group["dampening"], group["nesterov"], group["lr"], at)
             # the weights changed in place behind autograd's back (the half model's, and
             # FP32 parameters that are the model's own): a graph that saved them must say so
             torch.autograd.graph.increment_version([e.p for e in entries] + halfs
                                                    + [e.key for e in entries if e.key is not None])
-        self.steps += 1
+        self.runs += 1
+        if skip is not None:
+            self._skipped.add(skip)
         return True
+
+    @property
+    def steps(self) -> int:
+        """Steps the kernel took (a count of skips kept on the device is read: a sync when asked)."""
+        return self.runs - self._skipped.value
 
     def step(self) -> bool:
         """The plain step's work on the FP32 gradients (the masters' at O2/O5, already

@@ -23,7 +23,7 @@ call, never as a Python loop of tensor ops per parameter.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -388,7 +388,7 @@ class MasterWeights:
                 self.mirrors[i] = None
 
     @torch.no_grad()
-    def rescale_model_grads(self, scale: float) -> None:
+    def rescale_model_grads(self, scale: Union[float, Tensor]) -> None:
         """Under DDP, before a backward: the model's mirrored gradients become the
         scaled running sum again (the masters' sum times ``scale``, exact: the master
         is that half sum unscaled by a power of two), in place, where DDP's next
@@ -407,7 +407,8 @@ class MasterWeights:
             dst.append(g)
             src.append(mg)
         if dst:
-            torch._foreach_copy_(dst, torch._foreach_mul(src, scale) if scale != 1.0 else src)
+            # a tensor scale (sync-free steps) is never compared on the host
+            torch._foreach_copy_(dst, torch._foreach_mul(src, scale) if isinstance(scale, Tensor) or scale != 1.0 else src)
 
     def absorb_true_grads(self) -> None:
         """Half gradients a backward amp_patch did not scale left in the model
@@ -575,7 +576,7 @@ def lookup(amp: Optional["Session"], param: Tensor) -> Optional[Tensor]:
     """The FP32 master of a model parameter in the running AMP state, or None."""
     if amp is None:
         return None
-    for h in amp.optimizer_handles.values():
+    for h in amp.scaling.by_optimizer.values():
         mw = h.masters
         if mw is not None:
             m = mw.master_of(param)

@@ -161,7 +161,7 @@ def _hand_out(amp: "Session", key: Union[int, Tuple[int, str]]) -> None:
 
 
 def _masters_of(amp: "Session", m: Tensor) -> master.MasterWeights:
-    for h in amp.optimizer_handles.values():
+    for h in amp.scaling.by_optimizer.values():
         mw = h.masters
         if mw is not None and mw.is_master(m):
             return mw
@@ -182,6 +182,11 @@ class SyncWritten:
         self.probe, self.dtype = probe, dtype
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            # a version counter is not a value a graph can branch on: a compiled
+            # forward leaves the writes to the next eager forward or step, which
+            # copies every master into the model
+            return
         amp = running.session()
         if amp is None:
             return
@@ -194,7 +199,7 @@ class SyncWritten:
                 f"use a copy (copy.deepcopy(model) is a plain FP32 model) or call amp_patch.deinitialize() first; "
                 f"for another half dtype, deinitialize and initialize again with half_dtype=..."
             )
-        for h in amp.optimizer_handles.values():
+        for h in amp.scaling.by_optimizer.values():
             mw = h.masters
             if mw is not None:
                 mw.sync_written()

@@ -12,7 +12,7 @@ from ..base import running
 from ..base.errors import ConfigError, StateError
 from ..config import AmpConfig
 from ..patching.cast import LOW
-from . import fsdp, fused, kernel, master
+from . import fsdp, fused, kernel, lowstate, master
 
 if TYPE_CHECKING:
     from ..run.session import Session
@@ -39,6 +39,7 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
         ConfigError: naming the optimizer and the fix.
     """
     fused.validate(config, list(optimizers))
+    lowstate.validate(optimizers, config)
     amp = running
     for i, opt in enumerate(optimizers):
         if amp is not None and amp.attached(opt):
@@ -57,7 +58,7 @@ def validate(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim
         # sharded DTensors are what an optimizer holds
         known = {id(p) for m in every for p in m.parameters()} | fsdp.sharded_ids(every)
         if replacing is not None:
-            for h in replacing.optimizer_handles.values():
+            for h in replacing.scaling.by_optimizer.values():
                 mw = h.masters
                 if mw is not None:
                     known.update(id(m) for half, m in zip(mw.halfs, mw.masters) if id(half) in known)
@@ -120,7 +121,7 @@ class _StrayStepGuard:
         return self.seen[1]
 
     def check(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if id(optimizer) in self.amp.optimizer_handles or running.session() is not self.amp:
+        if id(optimizer) in self.amp.scaling.by_optimizer or running.session() is not self.amp:
             return
         halves = self._halves()
         if any(id(p) in halves for g in optimizer.param_groups for p in g["params"]):
@@ -157,7 +158,8 @@ def attach(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequen
     """Put FP32 masters into ``optimizers`` (O2/O5), built on ``originals``
     (``model.attach``), and guard the converted ``models`` against optimizers
     nobody attached. Returns ``{id(optimizer): (masters, fused update, one-pass step)}``;
-    at O1/O4 only the one-pass step of the FP32 parameters themselves.
+    at O1/O4 only the one-pass step of the FP32 parameters themselves. At O7
+    each optimizer's moments are then kept in FP8/BF16 (``lowstate``).
 
     Each change pushes its undo onto ``amp.undo`` as it is made.
     """
@@ -170,6 +172,7 @@ def attach(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequen
             # is still one call where the kernel is exact (kernel.KernelStep)
             for opt in optimizers:
                 built[id(opt)] = (None, None, kernel.KernelStep(opt))
+        lowstate.attach(amp, optimizers, config)
         return built
     every = list(models) + list(amp.models)  # adopt_optimizer passes no models: the session's
     shards = fsdp.sharded_ids(every) if any(fsdp.sharded(m) for m in every) else set()
@@ -185,4 +188,5 @@ def attach(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequen
             mw.adopt(group, originals)
         built[id(opt)] = (mw, fused.FusedUpdate(mw) if config.fused_update else None,
                           kernel.KernelStep(opt, mw) if kernel.native is not None else None)
+    lowstate.attach(amp, optimizers, config)  # after the masters: its undo runs first
     return built

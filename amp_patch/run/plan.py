@@ -36,6 +36,7 @@ from ..patching import costs, rnn
 from ..patching.registry import PatchItem
 from ..patching.cast import LOW
 from ..patching.wrappers import attention_wrapper, make_wrapper, pop_disabled, push_disabled
+from ..precision import fp8
 from ..precision import model as model_side
 from ..precision import optimizers as optimizers_side
 from ..scaling import optimizer as optimizer_scaling
@@ -210,6 +211,7 @@ class Plan:
         if apex_rules and joins is not None:
             _apex_rule(plan, joins)
         model_side.validate(plan.models, config)
+        fp8.validate(plan.models, config)
         optimizers_side.validate(plan.models, plan.optimizers, config, plan.joins, replacing=prov)
         if plan.joins is not None and not apex_rules:
             _strict_rule(plan, plan.joins)
@@ -235,7 +237,8 @@ class Plan:
             if fresh:
                 running.set_session(amp)
             elif self.apex_rules:
-                scaling_state.restart(amp, self.config)
+                amp.set_config(amp.config.with_session_options(self.config))
+                scaling_state.restart(amp.scaling, amp.config, amp.undo)
                 if not len(amp.patcher):
                     # _amp_state.handle._deactivate() took the patches off; Apex's
                     # next amp.initialize patched again, and so does this one
@@ -243,10 +246,11 @@ class Plan:
                     if items:
                         amp.patch(items)
             originals = model_side.attach(amp, self.models, self.config)
+            fp8.attach(amp, self.models, self.config)
             built = optimizers_side.attach(amp, self.models, self.optimizers, originals, self.config)
             flight.watch(amp, self.models)
             optimizer_scaling.attach(amp, self.optimizers, built)
-            optimizer_scaling.attach_wrappers(amp, self.wrappers)
+            optimizer_scaling.attach_wrappers(self.wrappers, amp.undo)
             amp.extend(amp.models, self.models)
             amp.extend(amp.optimizers, self.optimizers)
             if fresh:
@@ -368,7 +372,7 @@ def end(amp: Session) -> None:
     """End a session: gradients a scaled backward left made true (or dropped),
     its figures kept for ``counters()`` and ``report()``, then every change undone."""
     try:
-        scaling_state.settle(amp)
+        scaling_state.settle(amp.scaling)
         patched = collections.Counter(entry.policy for entry in (amp.table or {}).values())
         running.set_ended(running.Ended(counters_of(amp), report_of(amp), dict(patched)))
     finally:

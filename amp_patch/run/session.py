@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import torch
 
+from .. import diagnostics
 from ..base import running
 from ..base.undo import Owned
 from ..config import AmpConfig
@@ -28,13 +29,25 @@ from ..oplists import Entry
 from ..patching.cast import CastCache
 from ..patching.registry import Patcher, PatchItem
 from ..patching.wrappers import Live
+from ..scaling.state import Hooks, LossScaling
 from .flight import InFlight
 
 if TYPE_CHECKING:
     from ..diagnostics.stats import Ledger
+    from ..precision.fp8 import Fp8Model
     from ..precision.model import Conversion
     from ..scaling.scaler import LossScaler
-    from ..scaling.state import Handle, Run
+    from ..scaling.state import Handle
+
+
+class _SetConfig:
+    """Undo of ``Session.set_config``: the settings as they were."""
+
+    def __init__(self, session: "Session", config: AmpConfig):
+        self.session, self.config = session, config
+
+    def __call__(self) -> None:
+        self.session.config = self.config
 
 
 class _Trim:
@@ -78,9 +91,12 @@ class Session:
         self.optimizers: List[torch.optim.Optimizer] = []
         #: one conversion record per converted or hooked model
         self.model_records: List["Conversion"] = []
-        self.optimizer_handles: Dict[int, "Handle"] = {}  # id(optimizer) -> its scaling handle
-        self.run: Optional["Run"] = None  # the loss scalers and this step's flags
-        self.scalers: List["LossScaler"] = []  # one per loss id (the run's)
+        #: O6/O7: one record per model of its FP8 layers (``precision.fp8``)
+        self.fp8: List["Fp8Model"] = []
+        #: loss scaling: the scalers, one handle per attached optimizer, this step's flags;
+        #: it sees of the session only what ``Hooks`` hands it
+        self.scaling: LossScaling = LossScaling(config, device_type, Hooks(
+            flight=self.flight, on_skip=self._on_skip, models=self._models, dtypes_before=self._dtypes_before))
         self.ledger: Optional["Ledger"] = None  # when collect_stats=True
         #: cast_policy="auto": half-list matmuls under this many FLOPs stay FP32 (0: all cast)
         self.min_flops: float = 0.0
@@ -94,8 +110,30 @@ class Session:
 
     def handle_of(self, optimizer: torch.optim.Optimizer) -> Optional["Handle"]:
         """``optimizer``'s scaling handle while it is attached (loss scaling, masters), else None."""
-        h = self.optimizer_handles.get(id(optimizer))
-        return h if h is not None and h.optimizer is optimizer and h.patched else None
+        return self.scaling.handle_of(optimizer)
+
+    def set_config(self, config: AmpConfig) -> None:
+        """The session's settings from now on (only ``run/`` writes them), and the undo."""
+        self.undo.push(_SetConfig(self, self.config))
+        self.config = config
+
+    def add_losses(self, n: int) -> None:
+        """At least ``n`` loss scalers (Apex's ``wrap_optimizer(num_loss=n)``); the new
+        ones start from the session's settings. Pushes the undo."""
+        if len(self.scaling.scalers) < n:
+            self.set_config(self.config.replace(num_losses=n))
+            self.scaling.grow(n, self.config, self.undo)
+
+    # what loss scaling sees of the session (``scaling.state.Hooks``)
+    def _on_skip(self, loss_id: int, scaler: "LossScaler") -> None:
+        diagnostics.on_skipped_step(self, loss_id, scaler)
+
+    def _models(self) -> List[torch.nn.Module]:
+        return self.models
+
+    def _dtypes_before(self) -> Dict[int, torch.dtype]:
+        # a converted model's parameter comes back from deinitialize in its dtype from before
+        return {id(q): d for rec in self.model_records for q, d in rec.params}
 
     def attached(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when ``optimizer`` is attached to this session."""

@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, List
+import functools
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional
 
 import torch
 
 from .. import diagnostics
 from ..base import running
+from ..base.eager import eager
 from ..base.errors import ConfigError, StateError
 from ..precision import master
 from ..precision.optimizers import inner_optimizer
 from . import patches
-from .state import Handle, after_backward, arm, before_backward, run_of, transfer
+from .state import Handle, LossScaling, after_backward, arm, before_backward, loss_factor, transfer
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -28,14 +30,14 @@ def current(what: str) -> "Session":
     return amp
 
 
-def _handles(amp: "Session", optimizers: object, what: str) -> List[Handle]:
+def _handles(scaling: LossScaling, optimizers: object, what: str) -> List[Handle]:
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     out = []
     for i, given in enumerate(opts):
         opt = inner_optimizer(given)
         if opt is None:
             raise ConfigError(f"amp_patch.{what}: optimizers[{i}] is a {type(given).__name__}, not a torch.optim.Optimizer")
-        h = amp.handle_of(opt)
+        h = scaling.handle_of(opt)
         if h is None:
             raise StateError(
                 f"amp_patch.{what}: this {type(opt).__name__} was not passed to initialize. Pass it there "
@@ -45,8 +47,7 @@ def _handles(amp: "Session", optimizers: object, what: str) -> List[Handle]:
     return out
 
 
-@contextlib.contextmanager
-def scale_loss(
+def _scale_loss(
     loss: Tensor,
     optimizers: object,
     loss_id: int = 0,
@@ -92,13 +93,13 @@ def scale_loss(
             optimizer.step()
     """
     amp = current("scale_loss")
-    run = run_of(amp)
+    run = amp.scaling
     n = len(run.scalers)
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
         raise ConfigError(f"scale_loss: loss_id={loss_id!r} must be an integer in [0, {n}); initialize(num_losses=...) sets how many")
     if not isinstance(loss, Tensor):
         raise ConfigError(f"scale_loss: the loss must be a tensor (the output of your loss function), got {type(loss).__name__} {loss!r}")
-    handles = _handles(amp, optimizers, "scale_loss")
+    handles = _handles(amp.scaling, optimizers, "scale_loss")
     scaler = run.scalers[loss_id]
     if not amp.flight.enter("scale_loss"):
         raise StateError("amp_patch.scale_loss: amp_patch was deinitialized by another thread while this call waited")
@@ -106,17 +107,41 @@ def scale_loss(
         diagnostics.record_loss(amp, loss, loss_id, scaler.steps)  # the true loss, for plot() and report()
         hooks: List[RemovableHandle] = []
         if scaler.active:
-            hooks = patches.guard_foreign(run, loss, run.handles, loss_id, scaler.scale)[1]
+            hooks = patches.guard_foreign(run, loss, run.handles, loss_id)[1]
         before_backward(run, handles, loss_id)
         armed = None if delay_unscale else arm(run, handles, loss_id)
         try:
-            yield loss.float() * scaler.scale if scaler.active else loss.float()
+            yield loss.float() * loss_factor(scaler, loss) if scaler.active else loss.float()
         finally:
             for hook in hooks:
                 hook.remove()
             after_backward(run, handles, loss_id, delay_unscale=bool(delay_unscale), armed=armed)
     finally:
         amp.flight.leave()
+
+
+class _ScaleLoss:
+    """``scale_loss``'s context: entered and left eagerly under ``torch.compile`` (``base.eager``)."""
+
+    __slots__ = ("_cm",)
+
+    def __init__(self, cm: "contextlib.AbstractContextManager[Tensor]"):
+        self._cm = cm
+
+    @eager
+    def __enter__(self) -> Tensor:
+        return self._cm.__enter__()
+
+    @eager
+    def __exit__(self, *exc: object) -> Optional[bool]:
+        return self._cm.__exit__(*exc)
+
+
+@functools.wraps(_scale_loss)
+@eager
+def scale_loss(*args: Any, **kwargs: Any) -> _ScaleLoss:
+    return _ScaleLoss(contextlib.contextmanager(_scale_loss)(*args, **kwargs))
+
 
 
 def unscale_(optimizer: torch.optim.Optimizer) -> None:
@@ -141,7 +166,7 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
     """
     amp = current("unscale_")
-    (h,) = _handles(amp, optimizer, "unscale_")
+    (h,) = _handles(amp.scaling, optimizer, "unscale_")
     transfer(h.run, h)
 
 
@@ -166,7 +191,7 @@ def master_params(optimizer: object) -> Iterator[Tensor]:
     """
     amp = current("master_params")
     opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    return _unscaled_params(_handles(amp, opts, "master_params"))
+    return _unscaled_params(_handles(amp.scaling, opts, "master_params"))
 
 
 def _unscaled_params(handles: List[Handle]) -> Iterator[Tensor]:

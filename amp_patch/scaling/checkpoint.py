@@ -11,7 +11,6 @@ from ..base.errors import ConfigError
 from ..patching import attention
 from .api import current
 from .patches import ensure_patches
-from .state import run_of
 
 if TYPE_CHECKING:
     from ..run.session import Session
@@ -39,7 +38,7 @@ def state_dict(destination: Optional[dict] = None) -> dict:
     """
     amp = current("state_dict")
     out = {} if destination is None else destination
-    for i, s in enumerate(run_of(amp).scalers):
+    for i, s in enumerate(amp.scaling.scalers):
         out[f"loss_scaler{i}"] = s.state_dict()
     out["amp_patch"] = {
         "version": STATE_VERSION,
@@ -94,7 +93,7 @@ def load_state_dict(state: dict, *, strict: bool = True) -> None:
     if not isinstance(state, dict):
         raise ConfigError(f"amp_patch.load_state_dict expects the dict amp_patch.state_dict() returned, got {type(state).__name__}")
     entries = _scaler_entries(state)
-    run = run_of(amp)
+    run = amp.scaling
     if len(entries) != len(run.scalers):
         message = (
             f"amp_patch.load_state_dict: the checkpoint has {len(entries)} loss scaler(s), this run has "
@@ -117,16 +116,35 @@ def load_state_dict(state: dict, *, strict: bool = True) -> None:
             attention.restore(choices)
         except ValueError as e:
             raise ConfigError(f"amp_patch.load_state_dict: {e}") from None
-    notes = []
+    notes: List[str] = []
+    kept: List[str] = []
+    loaded: List[str] = []
     ours = str(amp.config.half_dtype).replace("torch.", "")
     if half is not None and half != ours:
         notes.append(f"the checkpoint was saved by a {half} run and this run is {ours}")
+        kept.append(f"this run's half dtype, {ours}")
     if level is not None and level != amp.config.opt_level:
         notes.append(f"the checkpoint was saved at opt_level={level!r} and this run is {amp.config.opt_level!r}")
+        kept.append(f"this run's opt_level, {amp.config.opt_level!r}")
     for i, (s, entry) in enumerate(zip(run.scalers, entries)):
-        notes += [f"loss scaler {i}: {n}" for n in s.load_state_dict(entry)]
+        said = s.load_state_dict(entry)
+        notes += [f"loss scaler {i}: {n}" for n in said]
+        counts = f"step counters ({s.steps} steps, {s.skipped} skipped)"
+        saved_dynamic = entry.get("dynamic")
+        if saved_dynamic is not None and saved_dynamic != s.dynamic:
+            kind = "dynamic" if s.dynamic else "static"
+            kept.append(f"loss scaler {i}'s {kind} scale {s.scale:g}")
+            loaded.append(f"loss scaler {i}'s {counts}")
+        elif said:  # the saved scale, clamped into this run's range
+            kept.append(f"loss scaler {i}'s range [{s.min_scale:g}, {s.max_scale:g}]")
+            loaded.append(f"loss scaler {i}'s scale (as {s.scale:g}) and {counts}")
+        else:
+            loaded.append(f"loss scaler {i}'s scale {s.scale:g} and {counts}")
+    if choices is not None:
+        loaded.append("the attention precisions chosen so far")
     if notes:
-        diagnostics.warn_user("amp_patch.load_state_dict: " + "; ".join(notes) + ".")
+        diagnostics.warn_user("amp_patch.load_state_dict: " + "; ".join(notes) + ". Kept: " + "; ".join(kept)
+                              + ". Loaded: " + "; ".join(loaded) + ".")
     ensure_patches(amp)  # a static scale of 1 may have become another
 
 
@@ -160,7 +178,7 @@ def counters() -> Dict[str, Any]:
 
 def counters_of(amp: "Session") -> Dict[str, Any]:
     """``counters()`` of the session ``amp``."""
-    run = run_of(amp)
+    run = amp.scaling
     opts = [{"steps": h.steps, "skipped": h.skipped, "fused": h.fused.steps if h.fused is not None else 0,
              "one_pass": h.kernel.steps if h.kernel is not None else 0}
             for h in run.handles]

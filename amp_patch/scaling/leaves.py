@@ -31,7 +31,7 @@ from ..precision import fsdp
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from .state import Handle, Run
+    from .state import Handle, LossScaling
 
 Tensor = torch.Tensor
 
@@ -55,7 +55,7 @@ def owned_ids(handles: Iterable["Handle"]) -> set:
         if mw is not None:
             ids.update(map(id, mw.halfs))
         if not models:
-            models = h.run.amp.models
+            models = h.run.hooks.models()
     if sharded:
         ids |= fsdp.unsharded_ids(models, sharded)
     return ids
@@ -103,25 +103,25 @@ class _Unscale:
     value they would have had unscaled is gone and the leaf's own optimizer,
     which amp_patch does not hold, would otherwise step on inf."""
 
-    __slots__ = ("run", "check", "loss_id", "scale")
+    __slots__ = ("run", "check", "loss_id")
 
-    def __init__(self, run: "Run", check: int, loss_id: int, scale: float):
-        self.run, self.check, self.loss_id, self.scale = run, check, loss_id, scale
+    def __init__(self, run: "LossScaling", check: int, loss_id: int):
+        self.run, self.check, self.loss_id = run, check, loss_id
 
     def __call__(self, grad: Tensor) -> Tensor:
         run, l, dev = self.run, self.loss_id, grad.device
         out = grad.clone()
-        torch._amp_foreach_non_finite_check_and_unscale_([out], run.found_flag(self.check, dev), run.inv_scale(l, dev, self.scale))
+        torch._amp_foreach_non_finite_check_and_unscale_([out], run.found_flag(self.check, dev), run.inv_scale(l, dev))
         return torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def unscale_on_arrival(leaves: Sequence[Tensor], run: "Run", loss_id: int, scale: float) -> List["RemovableHandle"]:
+def unscale_on_arrival(leaves: Sequence[Tensor], run: "LossScaling", loss_id: int) -> List["RemovableHandle"]:
     """Hook each of ``leaves`` so its gradient arrives unscaled, its overflow
     counted against loss ``loss_id`` of ``run`` (the scaling state); returns
     the hook handles, to be removed once the backward is over."""
     check = run.new_check(loss_id)
     run.foreign.setdefault(loss_id, []).append(check)  # the backward's own optimizers skip on it too
-    hook = _Unscale(run, check, loss_id, scale)
+    hook = _Unscale(run, check, loss_id)
     return [leaf.register_hook(hook) for leaf in leaves]
 
 

@@ -3,15 +3,17 @@ masters refreshed after), ``zero_grad`` and ``add_param_group``, put on each
 optimizer as instance attributes and taken off at the end of the session."""
 from __future__ import annotations
 
+import sys
 import types
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
 
 import torch
 
 from ..base import running
+from ..base.eager import eager
 from ..base.errors import StateError
 from .patches import ensure_patches
-from .state import Handle, Run, Stage, decide_skips, handle, run_of, transfer, transfer_all
+from .state import Handle, LossScaling, Stage, decide_skips, transfer, transfer_all
 
 if TYPE_CHECKING:
     from ..precision.master import MasterWeights
@@ -30,7 +32,7 @@ def _step(self, *args: Any, **kwargs: Any) -> Any:
     h = _lookup(self)
     if h is None:  # a stale reference after deinitialize
         return type(self).step(self, *args, **kwargs)
-    flight = h.run.amp.flight
+    flight = h.run.hooks.flight
     if not flight.enter("step"):  # the session ended while this call waited for it
         return self.step(*args, **kwargs)
     try:
@@ -53,12 +55,25 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
                 f"loss = closure() before optimizer.step(), or use BF16 (no loss scaling)."
             )
         args, kwargs = (_AbsorbAfter(closure, run, h.masters),) + tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
+    _refuse_traced_backward(h)
     mw = h.masters
     decide_skips(run)
     if mw is not None:
         # what the script did to the model since the backward reaches the masters
         mw.take_model_grads()
         mw.take_model_writes()
+    if isinstance(h.skip, Tensor) and closure is None:
+        # sync-free: the update takes the device flag itself. The flag stands until
+        # the next backward, so a second step() without one decides as this one did.
+        out = _flagged_step(h, h.skip, args, kwargs)
+        if out is not _CANNOT:
+            h.count(h.skip)
+            if mw is not None:
+                mw.note_halfs()
+                mw.consumed()
+            return out
+    # the decision on the host: under sync-free steps, the one sync of a step whose
+    # update cannot take the flag (docs/guide.md, "Steps with no host sync")
     skip = bool(h.skip)
     if not skip:
         # A skip decision stands until the next backward: a second step() with
@@ -79,6 +94,64 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
     return None if skip else out
 
 
+def _refuse_traced_backward(h: Handle) -> None:
+    """A backward that ``torch.compile`` traced itself (``trace_autograd_ops``) never
+    reaches the patched ``Tensor.backward``: its loss was not scaled and nothing was
+    checked. Gradients with no amp_patch backward behind them while that option is
+    on are refused here, before they are applied unchecked."""
+    config = sys.modules.get("torch._dynamo.config")
+    if config is None or not getattr(config, "trace_autograd_ops", False) or not h.run.plain:
+        return
+    if h.stage is not Stage.READY or h.fed_by or h.skip is not None:
+        return  # a backward amp_patch ran fed this step
+    params = h.masters.halfs if h.masters is not None else h.own_params()
+    if any(p.grad is not None for p in params):
+        raise StateError(
+            f"{type(h.optimizer).__name__}.step(): its gradients come from a backward that torch.compile traced "
+            f"itself (torch._dynamo.config.trace_autograd_ops=True), which bypasses amp_patch: the loss was not "
+            f"scaled and the gradients were not checked for inf/NaN. Set trace_autograd_ops=False (the compiled "
+            f"function then breaks its graph at loss.backward(), which amp_patch runs), or call loss.backward() "
+            f"outside the compiled function."
+        )
+
+
+#: what ``_flagged_step`` returns when the update cannot take a device flag
+_CANNOT = object()
+
+
+def _flagged_step(h: Handle, flag: Tensor, args: tuple, kwargs: dict) -> Any:
+    """Take ``h``'s step with the skip decision as a device flag (1.0: skip), no host
+    sync: the one-pass C step reads it on the CPU; an optimizer whose step takes
+    ``found_inf`` (torch's ``fused=True`` Adam, AdamW, SGD, Adagrad: the attribute
+    ``GradScaler`` sets) skips on it on the device, its step counts unchanged.
+    Returns the step's result, or ``_CANNOT`` with nothing done."""
+    if h.kernel is not None and flag.device.type == "cpu":
+        plan = h.kernel.plan(flagged=True)
+        if plan is not None:
+            if not h.kernel.takes_flag(plan):
+                return _CANNOT
+            h.kernel.run(plan, skip=flag)
+            return None
+    if h.fused is not None:
+        return _CANNOT  # the compiled update decides on the host
+    opt = h.optimizer
+    if not getattr(opt, "_step_supports_amp_scaling", False):
+        return _CANNOT
+    saved = {k: vars(opt).get(k, _NOTSET) for k in ("grad_scale", "found_inf")}
+    opt.grad_scale, opt.found_inf = None, flag  # the gradients are unscaled already
+    try:
+        out = h.originals["step"](*args, **kwargs)
+    finally:
+        for k, v in saved.items():
+            if v is _NOTSET:
+                delattr(opt, k)
+            else:
+                setattr(opt, k, v)
+    if h.masters is not None:
+        h.masters.refresh()  # a skipped step left the masters as they were: the copy changes nothing
+    return out
+
+
 def _fused_step(h: Handle) -> bool:
     """Take this step with the compiled fused update (``fused_update=True``),
     from the true FP32 gradients every backward left in the masters.
@@ -94,7 +167,7 @@ class _AbsorbAfter:
     again after each trial update of the masters, inside one step) and moves its
     gradients into the masters before the optimizer reads them."""
 
-    def __init__(self, closure: Callable[[], object], run: Run, masters: Optional["MasterWeights"]):
+    def __init__(self, closure: Callable[[], object], run: LossScaling, masters: Optional["MasterWeights"]):
         self.closure, self.run, self.masters = closure, run, masters
 
     def __call__(self) -> object:
@@ -127,7 +200,7 @@ def _add_param_group(self, param_group: dict) -> None:
     if h is None or h.masters is None:
         return type(self).add_param_group(self, param_group)
     # a converted model's parameter comes back from deinitialize in its dtype from before
-    before = {id(q): d for rec in h.run.amp.model_records for q, d in rec.params}
+    before = h.run.hooks.dtypes_before()
     h.originals["add_param_group"](h.masters.add_group(param_group, before))
     h.run.refresh_plain()
 
@@ -137,6 +210,8 @@ for _f, _name in ((_step, "step"), (_zero_grad, "zero_grad"), (_add_param_group,
     _f.__qualname__ = f"amp_patch.{_name}"
 # The LR scheduler wraps optimizer.step once to track calls; ours sets the flag it
 # reads, so it must neither wrap again nor warn that step was overridden.
+# Each runs eagerly under torch.compile (base.eager): a graph cannot hold the skip decision.
+_step, _zero_grad, _add_param_group = eager(_step), eager(_zero_grad), eager(_add_param_group)
 _step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 
@@ -156,8 +231,8 @@ def _patch(h: Handle) -> None:
 class _RestoreMethods:
     """Undo callback for one optimizer: pending gradients unscaled, methods restored."""
 
-    def __init__(self, amp: "Session", h: Handle):
-        self.amp, self.h = amp, h
+    def __init__(self, h: Handle):
+        self.h = h
 
     def __call__(self) -> None:
         h = self.h
@@ -185,9 +260,9 @@ def attach(amp: "Session", optimizers: Sequence[torch.optim.Optimizer], built: O
     Patches each optimizer's ``step``, ``zero_grad`` (and ``add_param_group``
     when it has masters) as instance attributes; the undo restores them.
     """
-    run = run_of(amp)
+    run = amp.scaling
     for opt in optimizers:
-        h = handle(amp, opt)
+        h = run.handle(opt, amp.undo)
         if h.patched:
             continue
         if built and id(opt) in built:
@@ -196,19 +271,20 @@ def attach(amp: "Session", optimizers: Sequence[torch.optim.Optimizer], built: O
         if h.kernel is not None:
             h.kernel.original = h.originals["step"]
         run.handles.append(h)
-        amp.undo.push(_RestoreMethods(amp, h))
+        amp.undo.push(_RestoreMethods(h))
     ensure_patches(amp)
 
 
-def attach_wrappers(amp: "Session", wrappers: Sequence[Any]) -> None:
+def attach_wrappers(wrappers: Sequence[Any], undo: Any) -> None:
     """Make each optimizer wrapper's ``step`` (Apex's ``LARC``, which reads the
     gradients to rescale them before its optimizer's step) see true gradients:
     the attached optimizer inside is unscaled first (into the masters under
-    O2), and its own patched step then skips on overflow as usual."""
+    O2), and its own patched step then skips on overflow as usual. The undo
+    of each goes on ``undo``."""
     for w in wrappers:
         saved = vars(w).get("step", _NOTSET)
         w.step = types.MethodType(_wrapper_step, w)
-        amp.undo.push(_RestoreWrapper(w, saved))
+        undo.push(_RestoreWrapper(w, saved))
 
 
 def _wrapper_step(self, *args: Any, **kwargs: Any) -> Any:

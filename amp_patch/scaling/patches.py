@@ -10,10 +10,11 @@ import wrapt
 
 from .. import diagnostics
 from ..base import running
+from ..base.eager import eager
 from ..patching.wrappers import OpWrapper, switch
 from ..precision import master
 from . import leaves
-from .state import Handle, Run, after_backward, arm, before_backward, run_of, transfer_all
+from .state import Handle, LossScaling, after_backward, arm, before_backward, loss_factor, transfer_all
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -34,7 +35,7 @@ def _clip_targets() -> List[Tuple[ModuleType, str]]:
 
 def _make_clip_patch(amp: "Session"):
     def clip(wrapped, instance, args, kwargs):
-        run = amp.run
+        run = amp.scaling
         if run is None or running.session() is not amp:
             return wrapped(*args, **kwargs)
         transfer_all(run)
@@ -69,7 +70,7 @@ def ensure_patches(amp: "Session") -> None:
     scale of 1) patches nothing on torch. Called again whenever that may
     change: an optimizer attached, a loss scale loaded.
     """
-    run = run_of(amp)
+    run = amp.scaling
     run.refresh_plain()
     items = []
     if run.plain or amp.config.patch_torch_functions:
@@ -79,8 +80,8 @@ def ensure_patches(amp: "Session") -> None:
     amp.patch(items)  # skips what is patched already
 
 
-def guard_foreign(run: Run, loss: Tensor, handles: Sequence[Handle], loss_id: int, scale: float) -> Tuple[bool, List["RemovableHandle"]]:
-    """Before a backward of ``loss`` scaled by ``scale``: hook every leaf it
+def guard_foreign(run: LossScaling, loss: Tensor, handles: Sequence[Handle], loss_id: int) -> Tuple[bool, List["RemovableHandle"]]:
+    """Before a scaled backward of loss ``loss_id``: hook every leaf it
     reaches that no attached optimizer owns so its gradient arrives unscaled
     (``leaves.py``), an overflow there counting against ``loss_id``. Returns
     whether the backward reaches an owned leaf, and the hook handles to remove
@@ -99,7 +100,7 @@ def guard_foreign(run: Run, loss: Tensor, handles: Sequence[Handle], loss_id: in
             f"skipped. Pass that optimizer to initialize (initialize(models, [opt1, opt2], ...)) or attach "
             f"it with amp_patch.adopt_optimizer(optimizer)."
         )
-    return reaches, leaves.unscale_on_arrival(foreign, run, loss_id, scale)
+    return reaches, leaves.unscale_on_arrival(foreign, run, loss_id)
 
 
 def make_backward_patch(amp: "Session"):
@@ -111,7 +112,7 @@ def make_backward_patch(amp: "Session"):
     recomputed inside the backward (activation checkpointing) casts again, to
     the same values.
     """
-    run = run_of(amp)
+    run = amp.scaling
     sw = switch
 
     flight = amp.flight
@@ -138,14 +139,14 @@ def make_backward_patch(amp: "Session"):
                 scaler = run.scalers[0]
                 hooks: List["RemovableHandle"] = []
                 if scaler.active:
-                    reaches, hooks = guard_foreign(run, instance, handles, 0, scaler.scale)
+                    reaches, hooks = guard_foreign(run, instance, handles, 0)
                     if not reaches:
                         # nothing amp_patch unscales: the backward of a model no
                         # attached optimizer owns runs as written, unscaled
                         return wrapped(*args, **kwargs)
                 before_backward(run, handles, 0)
                 armed = arm(run, handles, 0)
-                loss = instance.float() * scaler.scale if scaler.active else instance
+                loss = instance.float() * loss_factor(scaler, instance) if scaler.active else instance
                 try:
                     return original(loss, *args, **kwargs)
                 finally:
@@ -156,6 +157,6 @@ def make_backward_patch(amp: "Session"):
                 amp.cache.clear()
                 flight.leave()
 
-        return wrapt.FunctionWrapper(original, backward)
+        return wrapt.FunctionWrapper(original, eager(backward))  # eager under torch.compile (base.eager)
 
     return make

@@ -1,10 +1,19 @@
-"""The loss scaler: one explicit state machine per loss, on the host.
+"""The loss scaler: one explicit state machine per loss.
 
 A ``LossScaler`` holds the scale as a Python float and changes it only in
 ``update(found_inf)``, which the step logic calls once per step with the
-overflow skip decision for that loss. Keeping the scale on the host costs nothing:
-the skip decision needs one host sync per step anyway (the skip decision), and a
-float scale multiplies a loss without a device tensor.
+overflow skip decision for that loss, read on the host (one sync per step).
+
+Sync-free stepping (``to_device``) moves the state onto the device: the
+scale, its inverse, the growth tracker and the hysteresis count are 0-d
+tensors, and ``update_device(found)`` moves them with device ops
+(``torch._amp_update_scale_``, as ``torch.amp.GradScaler`` does), so no step
+waits for the device. Each update also posts a small record (verdict, scale
+before and after, trackers) to a host mirror, copied without blocking; the
+host fields (``scale``, ``skipped``, ``history``, ...) replay those records
+as they arrive (``poll``), and a read of one of them waits for the records
+still in flight: counters sync when asked, not every step. ``steps`` counts
+updates on the host and never waits.
 
 Dynamic scaling follows ``torch.amp.GradScaler`` and Apex: start at
 ``init_scale`` (2**16), multiply by ``growth_factor`` (2) after
@@ -19,8 +28,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Deque, Dict, List, Tuple, Union
+from typing import Any, Deque, Dict, List, Optional, Tuple, Union
 
+import torch
+
+from ..base.counts import HostCopies
 from ..config import ScalerConfig
 
 #: the defaults of Apex and ``torch.amp.GradScaler`` (``config.ScalerConfig``'s)
@@ -85,26 +97,56 @@ class LossScaler:
         self.hysteresis = cfg.hysteresis
         self.min_scale = float(cfg.min_loss_scale)
         self.max_scale = float(cfg.max_loss_scale)
-        self.scale: float = float(cfg.init_scale) if self.dynamic else float(cfg.loss_scale)
-        self.growth_tracker = 0  # clean updates since the last change (Apex's "unskipped")
-        self.hysteresis_left = self.hysteresis
-        self.steps = 0  # updates, one per optimizer step this loss fed
-        self.skipped = 0  # updates that found inf/NaN
-        self.consecutive_skips = 0
-        self.skips_at_min = 0  # consecutive overflows with the scale already at its floor
+        self.device: Optional[_OnDevice] = None  # the state on the device (``to_device``), or None
+        self._scale: float = float(cfg.init_scale) if self.dynamic else float(cfg.loss_scale)
+        self._growth_tracker = 0  # clean updates since the last change (Apex's "unskipped")
+        self._hysteresis_left = self.hysteresis
+        self.steps = 0  # updates, one per optimizer step this loss fed (counted on the host: never waits)
+        self._skipped = 0  # updates that found inf/NaN
+        self._consecutive_skips = 0
+        self._skips_at_min = 0  # consecutive overflows with the scale already at its floor
         #: ``(step, scale used, skipped)`` for the last ``HISTORY_LENGTH`` updates
-        self.history: Deque[Tuple[int, float, bool]] = collections.deque(maxlen=HISTORY_LENGTH)
+        self._history: Deque[Tuple[int, float, bool]] = collections.deque(maxlen=HISTORY_LENGTH)
 
     @classmethod
     def from_config(cls, config: ScalerConfig) -> "LossScaler":
         """A scaler with ``config``'s form and dynamics."""
         return cls(config.loss_scale, **{k: getattr(config, k) for k in DEFAULTS})
 
+    # The host view. Under ``to_device`` a read waits for the device's updates
+    # still in flight (a sync when asked); a write reaches the device too.
+    def _host(name: str, doc: str):  # type: ignore[misc]  # a property factory, used in the class body only
+        attr = "_" + name
+
+        def get(self: "LossScaler") -> Any:
+            if self.device is not None and self.device.mirror:
+                self.poll(wait=True)
+            return getattr(self, attr)
+
+        def put(self: "LossScaler", value: Any) -> None:
+            if self.device is not None:
+                self.poll(wait=True)
+            setattr(self, attr, value)
+            if self.device is not None:
+                self.device.load(self)
+
+        return property(get, put, doc=doc)
+
+    scale = _host("scale", "The loss scale (a float).")
+    growth_tracker = _host("growth_tracker", "Clean updates since the scale last changed.")
+    hysteresis_left = _host("hysteresis_left", "Overflows still tolerated before backing off.")
+    skipped = _host("skipped", "Updates that found inf/NaN.")
+    consecutive_skips = _host("consecutive_skips", "Updates in a row that found inf/NaN.")
+    skips_at_min = _host("skips_at_min", "Consecutive overflows with the scale already at its floor.")
+    history = _host("history", "``(step, scale used, skipped)`` of the last ``HISTORY_LENGTH`` updates.")
+    del _host
+
     @property
     def active(self) -> bool:
         """Scaling does work (scale, unscale, check) only when active: dynamic,
-        or a static scale other than 1.0 (whoever set it)."""
-        return self.dynamic or self.scale != 1.0
+        or a static scale other than 1.0 (whoever set it). Never waits: a
+        static scale changes only when set on the host."""
+        return self.dynamic or self._scale != 1.0
 
     @property
     def at_min(self) -> bool:
@@ -118,26 +160,121 @@ class LossScaler:
 
             scaler.update(found_inf=False)   # one clean step towards growth
         """
-        self.history.append((self.steps, self.scale, bool(found_inf)))
+        if self.device is not None:
+            self.poll(wait=True)
+        self._update_host(found_inf)
+        if self.device is not None:
+            self.device.load(self)
+
+    def _update_host(self, found_inf: bool) -> None:
+        self._history.append((self.steps, self._scale, bool(found_inf)))
         self.steps += 1
         if found_inf:
-            self.skipped += 1
-            self.consecutive_skips += 1
-            self.skips_at_min = self.skips_at_min + 1 if self.at_min else 0
+            self._skipped += 1
+            self._consecutive_skips += 1
+            self._skips_at_min = self._skips_at_min + 1 if self._at_min(self._scale) else 0
             if self.dynamic:
-                self.growth_tracker = 0
-                if self.hysteresis_left > 1:
-                    self.hysteresis_left -= 1
+                self._growth_tracker = 0
+                if self._hysteresis_left > 1:
+                    self._hysteresis_left -= 1
                 else:
-                    self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+                    self._scale = max(self._scale * self.backoff_factor, self.min_scale)
             return
-        self.consecutive_skips = 0
-        self.skips_at_min = 0
-        self.growth_tracker += 1  # Apex's _unskipped counts a static scale's clean steps too
-        if self.dynamic and self.growth_tracker >= self.growth_interval:
-            self.scale = min(self.scale * self.growth_factor, self.max_scale)
-            self.growth_tracker = 0
-            self.hysteresis_left = self.hysteresis
+        self._consecutive_skips = 0
+        self._skips_at_min = 0
+        self._growth_tracker += 1  # Apex's _unskipped counts a static scale's clean steps too
+        if self.dynamic and self._growth_tracker >= self.growth_interval:
+            self._scale = min(self._scale * self.growth_factor, self.max_scale)
+            self._growth_tracker = 0
+            self._hysteresis_left = self.hysteresis
+
+    def _at_min(self, scale: float) -> bool:
+        return not self.dynamic or scale <= self.min_scale
+
+    # ------------------------------------------------------------- on the device
+
+    def to_device(self, device: torch.device) -> None:
+        """Keep the state on ``device`` from now on (sync-free stepping): see the module docstring."""
+        if self.device is None or self.device.where != device:
+            self.poll(wait=True)
+            self.device = _OnDevice(device)
+            self.device.load(self)
+
+    def to_host(self) -> None:
+        """Keep the state on the host again (the host fields take every update first)."""
+        if self.device is not None:
+            self.poll(wait=True)
+            self.device = None
+
+    def seen(self, name: str) -> Any:
+        """A host field as the records that have arrived leave it, without waiting."""
+        return getattr(self, "_" + name)
+
+    def scale_tensor(self, device: torch.device) -> torch.Tensor:
+        """The scale as a 0-d FP32 tensor on ``device`` (under ``to_device``), without waiting."""
+        return self.device.on(self.device.scale, device)  # type: ignore[union-attr]
+
+    def inv_tensor(self, device: torch.device) -> torch.Tensor:
+        """``1 / scale`` as a 0-d FP32 tensor on ``device`` (under ``to_device``), without waiting."""
+        return self.device.on(self.device.inv, device)  # type: ignore[union-attr]
+
+    def update_device(self, found: torch.Tensor) -> None:
+        """``update`` with the verdict ``found`` (a 0-d FP32 tensor, 1.0 for an
+        overflow) on the device: the scale moves there, with no host sync, and
+        the record of the update reaches the host fields later (``poll``)."""
+        d = self.device
+        assert d is not None, "update_device needs to_device first"
+        self.steps += 1
+        before = d.scale.clone()
+        if self.dynamic:
+            if self.hysteresis == 1:
+                torch._amp_update_scale_(d.scale, d.growth, found, self.growth_factor, self.backoff_factor,
+                                         self.growth_interval)
+            else:
+                self._hysteresis_update(found)
+            d.scale.clamp_(self.min_scale, self.max_scale)
+            # as the host divides: 1 / scale in double, rounded once to FP32
+            d.inv.copy_(d.scale.double().reciprocal())
+        else:
+            d.growth.add_(found.eq(0).to(torch.int32))  # a static scale's clean steps, as on the host
+        d.mirror.post(torch.stack([found.float(), before, d.scale, d.growth.float(), d.hyst.float()]))
+
+    def _hysteresis_update(self, found: torch.Tensor) -> None:
+        """DeepSpeed's hysteresis (``update``'s rule) in device ops."""
+        d = self.device
+        bad = found > 0
+        grown = d.growth + 1
+        grow = grown.ge(self.growth_interval).logical_and_(bad.logical_not())
+        back = bad.logical_and(d.hyst.le(1))
+        scale = torch.where(back, d.scale * self.backoff_factor,
+                            torch.where(grow, d.scale * self.growth_factor, d.scale))
+        hyst = torch.where(bad.logical_and(d.hyst.gt(1)), d.hyst - 1,
+                           torch.where(grow, torch.full_like(d.hyst, self.hysteresis), d.hyst))
+        d.growth.copy_(torch.where(bad.logical_or(grow), torch.zeros_like(grown), grown))
+        d.hyst.copy_(hyst)
+        d.scale.copy_(scale)
+
+    def poll(self, wait: bool = False) -> List[Tuple[float, float]]:
+        """Bring the host fields up to date with the device's updates that have
+        reached the host (all of them, waiting, when ``wait``). Returns ``(scale
+        before, scale after)`` of each overflow replayed, for the caller's notices."""
+        d = self.device
+        if d is None:
+            return []
+        overflows = []
+        for found, before, after, growth, hyst in d.mirror.drain(wait):
+            bad = found > 0
+            self._history.append((self.steps - len(d.mirror) - 1, before, bad))
+            if bad:
+                self._skipped += 1
+                self._consecutive_skips += 1
+                self._skips_at_min = self._skips_at_min + 1 if self._at_min(before) else 0
+                overflows.append((before, after))
+            else:
+                self._consecutive_skips = 0
+                self._skips_at_min = 0
+            self._scale, self._growth_tracker, self._hysteresis_left = after, int(growth), int(hyst)
+        return overflows
 
     # ------------------------------------------------------------- state
 
@@ -225,3 +362,29 @@ class LossScaler:
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
         return f"LossScaler({kind}, scale={self.scale:g}, steps={self.steps}, skipped={self.skipped})"
+
+
+class _OnDevice:
+    """A scaler's state as 0-d tensors on one device, and its host mirror."""
+
+    def __init__(self, where: torch.device):
+        self.where = where
+        self.scale = torch.zeros((), dtype=torch.float32, device=where)
+        self.inv = torch.zeros((), dtype=torch.float32, device=where)
+        self.growth = torch.zeros((), dtype=torch.int32, device=where)
+        self.hyst = torch.zeros((), dtype=torch.int32, device=where)
+        self.mirror = HostCopies()
+        self.copies: Dict[torch.device, Tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    def load(self, s: LossScaler) -> None:
+        """Take the host fields (after a host-side change): device ops, no wait."""
+        self.scale.fill_(s._scale)
+        self.inv.fill_(1.0 / s._scale)
+        self.growth.fill_(s._growth_tracker)
+        self.hyst.fill_(s._hysteresis_left)
+
+    def on(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` on ``device``: itself at home, else a copy made without blocking."""
+        if device == self.where or (device.type == self.where.type and device.index is None):
+            return t
+        return t.to(device, non_blocking=True)

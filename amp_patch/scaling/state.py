@@ -7,8 +7,20 @@ patched ``loss.backward()``, the exit of ``scale_loss``) ``transfer`` unscales
 the gradients in place (into the FP32 masters under O2) and folds their
 inf/NaN check into a flag kept on the device, so code that reads ``.grad``
 before the step sees true gradients, as it did under Apex, with no host sync
-per backward. The step asks for the skip decision: one host sync per step for
-every loss together.
+per backward. The step asks for the skip decision.
+
+**Sync-free steps** (``sync_free=True``, the default). The decision stays on
+the device: each loss's verdict is a 0-d flag there, its scaler moves on the
+device (``LossScaler.update_device``), and each optimizer gets its own flag in
+``Handle.skip``. A step whose update can take the flag (the one-pass C step,
+torch's ``fused=True`` optimizers, which read ``found_inf`` as under
+``GradScaler``) leaves parameters and state untouched when it is set, and no
+step waits for the device. Any other step reads its flag on the host: one sync
+(``scaling.optimizer``). Overflow notices, the skip limit and the counters
+follow from records the device posts to the host (``LossScaler.poll``): on the
+CPU at once, on a GPU a step or so later; reading a counter waits for them.
+With ``sync_free=False`` the decision is read on the host, one sync per step
+for every loss together.
 
 Gradients a later scaled backward would add to are true already, so they are
 set aside (``parked``) while it runs and added back once its own are
@@ -27,11 +39,12 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .. import diagnostics
+from ..base.counts import DeviceCount
 from ..base.errors import OverflowLoopError, StateError
 from ..config import AmpConfig
 from ..precision import fsdp, master
@@ -40,7 +53,6 @@ from .scaler import LossScaler
 if TYPE_CHECKING:
     from ..precision.fused import FusedUpdate
     from ..precision.kernel import KernelStep
-    from ..run.session import Session
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
@@ -65,7 +77,7 @@ MOVES = {
 class Handle:
     """What amp_patch keeps for one optimizer."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, run: "Run"):
+    def __init__(self, optimizer: torch.optim.Optimizer, run: "LossScaling"):
         self.optimizer = optimizer
         self.run = run
         self.masters: Optional[master.MasterWeights] = None
@@ -78,18 +90,29 @@ class Handle:
         self.loss: Optional[int] = None  # the loss whose scale the SCALED gradients carry
         self.parked: Optional[List[Tuple[Tensor, Tensor]]] = None  # (param, true grad) parked during a scaled backward
         self.fed_by: set = set()  # the checks of the backwards that fed this optimizer since the last skip decision
-        self.skip: Optional[bool] = None  # skip decision waiting for this optimizer's step
-        self.steps = 0
-        self.skipped = 0
+        #: the skip decision waiting for this optimizer's step: a bool, or under
+        #: sync-free steps the 0-d device flag (1.0: skip)
+        self.skip: Union[None, bool, Tensor] = None
+        self.calls = 0  # calls of step(), taken or skipped
+        self._skipped = DeviceCount()  # skips decided on the device are counted there
 
-    def count(self, skipped: bool) -> None:
-        """Count one call of the optimizer's ``step()``, taken or ``skipped``
-        (and, once per round, the losses whose scale is inactive: ``Run.count_unscaled``)."""
-        if skipped:
-            self.skipped += 1
-        else:
-            self.steps += 1
+    def count(self, skipped: Union[bool, Tensor]) -> None:
+        """Count one call of the optimizer's ``step()``, taken or ``skipped`` (a
+        device flag: counted there, read when asked), and, once per round, the
+        losses whose scale is inactive (``LossScaling.count_unscaled``)."""
+        self.calls += 1
+        self._skipped.add(skipped if isinstance(skipped, Tensor) else int(bool(skipped)))
         self.run.count_unscaled(self)
+
+    @property
+    def skipped(self) -> int:
+        """Calls of ``step()`` skipped for inf/NaN gradients (a count kept on the device is read: a sync when asked)."""
+        return self._skipped.value
+
+    @property
+    def steps(self) -> int:
+        """Calls of ``step()`` taken."""
+        return self.calls - self.skipped
 
     def move(self, stage: Stage, loss: Optional[int] = None) -> None:
         """Go to ``stage`` (``loss``: the loss of a scaled backward); StateError for a move ``MOVES`` lacks."""
@@ -137,11 +160,36 @@ class _Notices:
         log.warning(text)
 
 
-class Run:
-    """The loss-scaling state of one ``initialize``: scalers, handles, this step's flags."""
+class Hooks:
+    """What loss scaling needs from the rest of a session, handed in by whoever
+    composes it (``run.session``): nothing else of the session is reachable from here."""
 
-    def __init__(self, amp: "Session"):
-        self.amp = amp
+    def __init__(self, flight: Any = None, on_skip: Optional[Callable[[int, LossScaler], None]] = None,
+                 models: Callable[[], Sequence[torch.nn.Module]] = tuple,
+                 dtypes_before: Callable[[], Dict[int, torch.dtype]] = dict):
+        #: the session's work in flight (``run.flight.InFlight``): the patched step enters it
+        self.flight = flight
+        #: told of each skipped step (overflow provenance, ``diagnostics``)
+        self.on_skip = on_skip
+        #: the session's models (a backward's own leaves are theirs)
+        self.models = models
+        #: a converted parameter's dtype before ``initialize``, by id (``add_param_group``)
+        self.dtypes_before = dtypes_before
+
+
+class LossScaling:
+    """The loss-scaling state of one session: the loss scalers, one ``Handle`` per
+    attached optimizer, this step's checks and flags.
+
+    Built once per session from its config (``configure`` takes the scaler
+    settings, ``sync_free`` and ``verbosity``) and the device type; ``hooks``
+    is all it sees of the rest of the session.
+    """
+
+    def __init__(self, config: AmpConfig, device_type: str, hooks: Optional[Hooks] = None):
+        self.device_type = device_type
+        self.hooks = hooks if hooks is not None else Hooks()
+        self.by_optimizer: Dict[int, Handle] = {}  # id(optimizer) -> its handle (attached or being attached)
         self.scalers: List[LossScaler] = []
         self.max_skips: Optional[int] = None
         self.handles: List[Handle] = []  # patched, in attach order: what a plain backward feeds
@@ -155,10 +203,42 @@ class Run:
         self.inv: Dict[Tuple[int, torch.device], Tuple[float, Tensor]] = {}
         self.undecided = False  # something awaits a transfer or a skip decision
         self.plain = False  # the patched backward has work to do
-        self.notices = _Notices(amp.config.verbosity)
+        self.notices = _Notices(config.verbosity)
         self.warned_foreign = False  # said once that a backward reached an unattached optimizer's parameters
         self.round: set = set()  # ids of the handles that stepped in this round (``count_unscaled``)
-        self.configure(amp.config)
+        self.configure(config)
+
+    @property
+    def home(self) -> torch.device:
+        """Where the scale lives and the verdicts are gathered."""
+        if self.device_type == "cuda" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+    def handle_of(self, optimizer: torch.optim.Optimizer) -> Optional["Handle"]:
+        """``optimizer``'s handle while it is attached, else None."""
+        h = self.by_optimizer.get(id(optimizer))
+        return h if h is not None and h.optimizer is optimizer and h.patched else None
+
+    def handle(self, optimizer: torch.optim.Optimizer, undo: Any) -> "Handle":
+        """``optimizer``'s handle, made on first use (not patched yet); its undo goes on ``undo``."""
+        h = self.by_optimizer.get(id(optimizer))
+        if h is None or h.optimizer is not optimizer:
+            h = self.by_optimizer[id(optimizer)] = Handle(optimizer, self)
+            undo.push(_DropHandle(self, optimizer))
+        return h
+
+    def reconfigure(self, config: AmpConfig, undo: Any, scalers: Optional[List[LossScaler]] = None) -> None:
+        """Take ``config``'s session options, with ``scalers`` (else new ones), pushing
+        the undo that brings back the scalers and settings of now."""
+        undo.push(_Restore(self, self.config))
+        self.configure(config, scalers)
+
+    def grow(self, n: int, config: AmpConfig, undo: Any) -> None:
+        """At least ``n`` loss scalers (Apex's ``wrap_optimizer(num_loss=n)``): the new
+        ones start from ``config`` (the session's, with ``num_losses=n``)."""
+        if len(self.scalers) < n:
+            self.reconfigure(config, undo, self.scalers + [self.new_scaler(config) for _ in range(n - len(self.scalers))])
 
     def new_scaler(self, config: AmpConfig) -> LossScaler:
         return LossScaler.from_config(config.scaler)
@@ -166,8 +246,14 @@ class Run:
     def configure(self, config: AmpConfig, scalers: Optional[List[LossScaler]] = None) -> None:
         """Take the session's settings: the loss scalers (``scalers``, else
         ``config.scaler.num_losses`` new ones), the skip limit, the notices' verbosity."""
+        self.config = config
         self.scalers[:] = scalers if scalers is not None else [self.new_scaler(config) for _ in range(config.scaler.num_losses)]
-        self.amp.scalers[:] = self.scalers  # what diagnostics reads
+        self.sync_free = config.sync_free
+        for s in self.scalers:
+            if self.sync_free and s.active:
+                s.to_device(self.home)
+            else:
+                s.to_host()
         self.max_skips = config.scaler.max_consecutive_skips
         self.notices.verbosity = config.verbosity
         self.refresh_plain()
@@ -204,10 +290,9 @@ class Run:
 
     def unscaler(self, loss_id: int) -> Optional["_Unscale"]:
         """``unscale(tensors)`` for loss ``loss_id`` under a new check, or None when it is not scaled."""
-        scaler = self.scalers[loss_id]
-        if not scaler.active:
+        if not self.scalers[loss_id].active:
             return None
-        return _Unscale(self, self.new_check(loss_id), loss_id, scaler.scale)
+        return _Unscale(self, self.new_check(loss_id), loss_id)
 
     def found_flag(self, check: int, device: torch.device) -> Tensor:
         """The inf/NaN flag of ``check`` on ``device`` (> 0: found), kept on the device."""
@@ -216,8 +301,13 @@ class Run:
             found = self.found[(check, device)] = torch.zeros((), dtype=torch.float32, device=device)
         return found
 
-    def inv_scale(self, loss_id: int, device: torch.device, scale: float) -> Tensor:
-        """``1 / scale`` as a 0-d FP32 tensor on ``device``, made once per scale."""
+    def inv_scale(self, loss_id: int, device: torch.device) -> Tensor:
+        """``1 / scale`` of loss ``loss_id`` as a 0-d FP32 tensor on ``device``: the
+        scaler's own on the device (sync-free), else made once per host scale."""
+        scaler = self.scalers[loss_id]
+        if scaler.device is not None:
+            return scaler.inv_tensor(device)
+        scale = scaler.scale
         cached = self.inv.get((loss_id, device))
         if cached is None or cached[0] != scale:
             cached = self.inv[(loss_id, device)] = (scale, torch.full((), 1.0 / scale, dtype=torch.float32, device=device))
@@ -237,17 +327,23 @@ def _dense_real(t: Tensor) -> Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def loss_factor(scaler: LossScaler, loss: Tensor) -> Union[float, Tensor]:
+    """What a loss is multiplied by: the scale on the loss's device (sync-free), else the host float."""
+    return scaler.scale_tensor(loss.device) if scaler.device is not None else scaler.scale
+
+
 class _Unscale:
     """Unscale tensors in place for one loss, folding inf/NaN into one check's flag."""
 
-    def __init__(self, run: Run, check: int, loss_id: int, scale: float):
-        self.run, self.check, self.loss_id, self.scale = run, check, loss_id, scale
+    def __init__(self, run: LossScaling, check: int, loss_id: int):
+        self.run, self.check, self.loss_id = run, check, loss_id
 
     def cpu_args(self) -> Tuple[float, int]:
         """``(1 / scale, address of the CPU inf/NaN flag)``: what the C routine that
-        unscales and checks CPU gradients as it moves them takes (``precision.master``)."""
+        unscales and checks CPU gradients as it moves them takes (``precision.master``).
+        On the CPU the host scale is current: every update reached it when it was made."""
         flag = self.run.found_flag(self.check, _CPU)
-        return 1.0 / self.scale, flag.data_ptr()
+        return 1.0 / self.run.scalers[self.loss_id].scale, flag.data_ptr()
 
     def __call__(self, tensors: List[Tensor]) -> None:
         by_device: Dict[torch.device, List[Tensor]] = {}
@@ -256,40 +352,17 @@ class _Unscale:
             by_device.setdefault(t.device, []).append(t)
         run, l = self.run, self.loss_id
         for dev, ts in by_device.items():
-            torch._amp_foreach_non_finite_check_and_unscale_(ts, run.found_flag(self.check, dev), run.inv_scale(l, dev, self.scale))
-
-
-def run_of(amp: "Session") -> Run:
-    """The session's loss-scaling state, made on first use."""
-    run = amp.run
-    if run is None:
-        run = amp.run = Run(amp)
-    return run
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, run.found_flag(self.check, dev), run.inv_scale(l, dev))
 
 
 class _DropHandle:
-    """Undo of ``handle``: the optimizer's record out of the session."""
+    """Undo of ``LossScaling.handle``: the optimizer's record out of the session."""
 
-    def __init__(self, amp: "Session", optimizer: torch.optim.Optimizer):
-        self.amp, self.key = amp, id(optimizer)
+    def __init__(self, scaling: "LossScaling", optimizer: torch.optim.Optimizer):
+        self.scaling, self.key = scaling, id(optimizer)
 
     def __call__(self) -> None:
-        self.amp.optimizer_handles.pop(self.key, None)
-
-
-def handle(amp: "Session", optimizer: torch.optim.Optimizer) -> Handle:
-    """The optimizer's ``Handle`` in ``amp``, created on first use (not patched yet)."""
-    h = amp.optimizer_handles.get(id(optimizer))
-    if h is None or h.optimizer is not optimizer:
-        h = amp.optimizer_handles[id(optimizer)] = Handle(optimizer, run_of(amp))
-        amp.undo.push(_DropHandle(amp, optimizer))
-    return h
-
-
-def home_device(amp: "Session") -> torch.device:
-    if amp.device_type == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(amp.device_type)
+        self.scaling.by_optimizer.pop(self.key, None)
 
 
 def distributed() -> bool:
@@ -304,7 +377,7 @@ def is_rank0() -> bool:
 # ------------------------------------------------------------------ the state machine
 
 
-def transfer(run: Run, h: Handle) -> None:
+def transfer(run: LossScaling, h: Handle) -> None:
     """Make ``h``'s gradients true gradients where its optimizer reads them.
 
     Every handle pending on the same loss is transferred with it, so a
@@ -321,7 +394,7 @@ def _absorb(h: Handle) -> None:
         h.masters.absorb_true_grads()
 
 
-def transfer_group(run: Run, handles: Sequence[Handle], armed: Optional["Armed"] = None) -> None:
+def transfer_group(run: LossScaling, handles: Sequence[Handle], armed: Optional["Armed"] = None) -> None:
     """Unscale the pending gradients of ``handles`` (each tensor once), into the
     masters under O2, and fold their inf/NaN check into this step's flag
     (``armed``: the backward that just ended moved gradients as they arrived,
@@ -364,7 +437,7 @@ def _unpark(h: Handle) -> None:
     h.parked = None
 
 
-def transfer_all(run: Run) -> None:
+def transfer_all(run: LossScaling) -> None:
     transfer_group(run, run.handles)
     for h in run.handles:
         _absorb(h)
@@ -381,17 +454,25 @@ def _park_true_grads(h: Handle) -> None:
         h.parked = (h.parked or []) + parked
 
 
-def _rescale_true_grads(h: Handle, scale: float) -> None:
+def _rescale_true_grads(h: Handle, scaler: LossScaler) -> None:
     """Under DDP: multiply the running sum in ``.grad`` by the scale, so the next
     scaled backward adds to it and the all-reduce sees the whole sum (under
     FSDP2, the sharded sum its reduce-scatter adds to)."""
     grads = [fsdp.local(p.grad) for p in h.own_params() if p.grad is not None and not p.grad.is_sparse]
     if grads:
         with torch.no_grad():
-            torch._foreach_mul_(grads, scale)
+            torch._foreach_mul_(grads, loss_factor(scaler, grads[0]))
 
 
-def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
+def _any_grad(h: Handle) -> Tensor:
+    """A tensor on the device of ``h``'s gradients (where the scale is wanted)."""
+    for g in h.optimizer.param_groups:
+        for p in g["params"]:
+            return p
+    return torch.empty(0)
+
+
+def before_backward(run: LossScaling, handles: Sequence[Handle], loss_id: int) -> None:
     """Get gradients ready for a backward of ``loss_id`` into ``handles``.
 
     Gradients a ``delay_unscale`` exit left scaled by this same loss keep
@@ -417,13 +498,13 @@ def before_backward(run: Run, handles: Sequence[Handle], loss_id: int) -> None:
             _absorb(h)
         if has_masters:
             if dist:
-                h.masters.rescale_model_grads(scaler.scale if scaled else 1.0)
+                h.masters.rescale_model_grads(loss_factor(scaler, _any_grad(h)) if scaled else 1.0)
             else:
                 h.masters.drop_model_grads()
         if h.stage is Stage.SCALED or not scaled:
             continue
         if dist:
-            _rescale_true_grads(h, scaler.scale)
+            _rescale_true_grads(h, scaler)
             h.move(Stage.SCALED, loss_id)
         else:
             _park_true_grads(h)
@@ -454,7 +535,7 @@ class Armed:
             mw.disarm()
 
 
-def arm(run: Run, handles: Sequence[Handle], loss_id: int) -> Optional[Armed]:
+def arm(run: LossScaling, handles: Sequence[Handle], loss_id: int) -> Optional[Armed]:
     """Before a backward of ``loss_id`` whose end unscales (no ``delay_unscale``): have
     the masters of ``handles`` take each half gradient, unscaled and checked, as soon
     as autograd finishes it (``MasterWeights.arm``), so the model's half gradients and
@@ -473,7 +554,7 @@ def arm(run: Run, handles: Sequence[Handle], loss_id: int) -> Optional[Armed]:
     return Armed(loss_id, unscale, mws)
 
 
-def after_backward(run: Run, handles: Sequence[Handle], loss_id: int, delay_unscale: bool = False,
+def after_backward(run: LossScaling, handles: Sequence[Handle], loss_id: int, delay_unscale: bool = False,
                    armed: Optional[Armed] = None) -> None:
     """After a backward of ``loss_id`` into ``handles``: unscale and check its
     gradients now, unless ``delay_unscale`` leaves that to a later exit
@@ -491,7 +572,7 @@ def after_backward(run: Run, handles: Sequence[Handle], loss_id: int, delay_unsc
         transfer_group(run, handles, armed)
 
 
-def decide_skips(run: Run) -> None:
+def decide_skips(run: LossScaling) -> None:
     """Transfer everything pending and decide, with one host sync, which steps to skip."""
     if not run.undecided:
         return
@@ -501,10 +582,23 @@ def decide_skips(run: Run) -> None:
     stuck: List[int] = []
     if run.checks:
         scalers = run.scalers
-        dev = next(iter(run.found))[1] if run.found else home_device(run.amp)
+        dev = next(iter(run.found))[1] if run.found else run.home
         per_check = {c: torch.zeros((), device=dev) for c in run.checks}
         for (c, d), f in run.found.items():
             per_check[c] = per_check[c] + f.to(dev)
+        if run.sync_free:
+            stuck = _decide_on_device(run, per_check, dev)
+            for h in run.handles:
+                if h.fed_by:
+                    h.skip = _flag_of(h.fed_by, per_check)
+                    h.fed_by.clear()
+            run.found.clear()
+            run.checks.clear()
+            run.checked.clear()
+            run.undecided = False
+            if stuck:
+                _raise_stuck(run, stuck[0])
+            return
         if distributed():
             # every rank reaches this point once per step, so the collective pairs
             # up; per loss, since ranks need not run the same number of backwards
@@ -529,7 +623,7 @@ def decide_skips(run: Run) -> None:
             before = s.scale
             s.update(is_bad)
             if is_bad:
-                _on_overflow(run, l, s, before)
+                _on_overflow(run, l, s, before, s.scale)
                 if run.max_skips is not None and s.skips_at_min >= run.max_skips:
                     stuck.append(l)
     for h in run.handles:
@@ -538,19 +632,66 @@ def decide_skips(run: Run) -> None:
             h.fed_by.clear()
     run.undecided = False
     if stuck:
-        l = stuck[0]
-        s = run.scalers[l]
-        raise OverflowLoopError(
-            f"loss {l}: the last {s.skips_at_min} steps all produced inf/NaN gradients with the loss scale "
-            f"already at its minimum ({s.scale:g}), so every step was skipped. Some op overflows even "
-            f"unscaled: find it with initialize(..., find_overflow=True), move it to FP32 with an op-list "
-            f"override (lists={{'torch': {{'float': ['op_name']}}}}), train in BF16 "
-            f"(half_dtype=torch.bfloat16), or lower the learning rate. "
-            f"(max_consecutive_skips={run.max_skips} sets this limit.)"
-        )
+        _raise_stuck(run, stuck[0])
 
 
-def settle(amp: "Session") -> None:
+def _decide_on_device(run: LossScaling, per_check: Dict[int, Tensor], dev: torch.device) -> List[int]:
+    """The sync-free decision: each check's flag made 0/1 in ``per_check`` (under
+    ``torch.distributed``, its loss's flag over every rank), each checked loss's
+    scaler moved on the device, and the records that reached the host replayed
+    (notices, the skip limit). Returns the losses stuck at the skip limit."""
+    by_loss: Dict[int, List[Tensor]] = {}
+    for c, f in per_check.items():
+        by_loss.setdefault(run.checks[c], []).append(f)
+    if distributed():
+        # every rank reaches this point once per step, so the collective pairs up
+        flags = torch.stack([torch.stack(by_loss[l]).amax() if l in by_loss else torch.zeros((), device=dev)
+                             for l in range(len(run.scalers))])
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        flags.clamp_(max=1.0)
+        loss_flag = {l: flags[l] for l in by_loss}
+        for c in per_check:
+            per_check[c] = loss_flag[run.checks[c]]
+    else:
+        for c, f in per_check.items():
+            per_check[c] = f.clamp(max=1.0)  # several devices' flags add up
+        loss_flag = {l: fs[0].clamp(max=1.0) if len(fs) == 1 else torch.stack(fs).amax().clamp(max=1.0)
+                     for l, fs in by_loss.items()}
+    stuck = []
+    for l in sorted(run.checked):
+        if l in loss_flag:
+            if run.scalers[l].device is None:
+                run.scalers[l].to_device(dev)  # a scale set since configure turned scaling on
+            run.scalers[l].update_device(loss_flag[l])
+    for l, s in enumerate(run.scalers):
+        for before, after in s.poll():
+            _on_overflow(run, l, s, before, after)
+        if s.device is not None and run.max_skips is not None and s.seen("skips_at_min") >= run.max_skips:
+            stuck.append(l)
+    return stuck
+
+
+def _flag_of(checks: set, flags: Dict[int, Tensor]) -> Optional[Tensor]:
+    """One optimizer's skip flag: the largest of its checks' (0/1, on the device)."""
+    fs = [flags[c] for c in checks if c in flags]
+    if not fs:
+        return None
+    return fs[0] if len(fs) == 1 else torch.stack(fs).amax()
+
+
+def _raise_stuck(run: LossScaling, l: int) -> None:
+    s = run.scalers[l]
+    raise OverflowLoopError(
+        f"loss {l}: the last {s.seen('skips_at_min')} steps all produced inf/NaN gradients with the loss scale "
+        f"already at its minimum ({s.seen('scale'):g}), so every step was skipped. Some op overflows even "
+        f"unscaled: find it with initialize(..., find_overflow=True), move it to FP32 with an op-list "
+        f"override (lists={{'torch': {{'float': ['op_name']}}}}), train in BF16 "
+        f"(half_dtype=torch.bfloat16), or lower the learning rate. "
+        f"(max_consecutive_skips={run.max_skips} sets this limit.)"
+    )
+
+
+def settle(run: "LossScaling") -> None:
     """Before the session ends: make every gradient a scaled backward left a
     true gradient, or drop it.
 
@@ -559,9 +700,6 @@ def settle(amp: "Session") -> None:
     gradient is not stepped) and one warning says so: the step then changes
     nothing, as amp_patch's skipped step would have.
     """
-    run = amp.run
-    if run is None:
-        return
     try:
         decide_skips(run)
     except OverflowLoopError:
@@ -584,50 +722,32 @@ def settle(amp: "Session") -> None:
 
 
 class _Restore:
-    """Undo of ``restart``: the session's options and loss scalers as they were."""
+    """Undo of ``LossScaling.reconfigure``: the scalers and settings as they were."""
 
-    def __init__(self, amp: "Session"):
-        self.amp, self.config = amp, amp.config
-        self.scalers = list(amp.run.scalers) if amp.run is not None else None
+    def __init__(self, scaling: "LossScaling", config: AmpConfig):
+        self.scaling, self.config, self.scalers = scaling, config, list(scaling.scalers)
 
     def __call__(self) -> None:
-        self.amp.config = self.config
-        if self.amp.run is not None and self.scalers is not None:
-            self.amp.run.configure(self.config, self.scalers)
+        self.scaling.configure(self.config, self.scalers)
 
 
-def restart(amp: "Session", call: AmpConfig) -> None:
-    """Apex's rule for a later ``amp.initialize``: its session-wide options are
-    the run's from now on, and the loss scalers start anew from them.
+def restart(run: "LossScaling", config: AmpConfig, undo: Any) -> None:
+    """Apex's rule for a later ``amp.initialize``: ``config``'s session-wide
+    options are the run's from now on, and the loss scalers start anew from them.
 
     Gradients a backward left scaled are unscaled and checked first, with the
     scale they were made with, so the next step is right (and skipped if they
-    overflowed). Pushes its undo onto the session's stack.
+    overflowed). Pushes its undo onto ``undo``.
     """
-    run = amp.run
-    if run is not None:
-        try:
-            decide_skips(run)
-        except OverflowLoopError:
-            pass  # the skip decision is made; the new scalers start over
-    amp.undo.push(_Restore(amp))
-    amp.config = amp.config.with_session_options(call)
-    if run is not None:
-        run.configure(amp.config)
+    try:
+        decide_skips(run)
+    except OverflowLoopError:
+        pass  # the skip decision is made; the new scalers start over
+    run.reconfigure(config, undo)
 
 
-def add_losses(amp: "Session", n: int) -> None:
-    """Grow the run to at least ``n`` loss scalers (Apex's ``wrap_optimizer(num_loss=n)``);
-    the new ones start from the run's settings. Pushes its undo."""
-    run = run_of(amp)
-    if len(run.scalers) >= n:
-        return
-    amp.undo.push(_Restore(amp))
-    amp.config = amp.config.replace(num_losses=n)
-    run.configure(amp.config, run.scalers + [run.new_scaler(amp.config) for _ in range(n - len(run.scalers))])
-
-
-def _on_overflow(run: Run, loss_id: int, scaler: LossScaler, before: float) -> None:
-    change = f"loss scale {before:g} -> {scaler.scale:g}" if scaler.scale != before else f"loss scale stays {scaler.scale:g}"
+def _on_overflow(run: LossScaling, loss_id: int, scaler: LossScaler, before: float, after: float) -> None:
+    change = f"loss scale {before:g} -> {after:g}" if after != before else f"loss scale stays {after:g}"
     run.notices.overflow(f"amp_patch: inf/NaN gradients from loss {loss_id}; skipping the step ({change})")
-    diagnostics.on_skipped_step(run.amp, loss_id, scaler)
+    if run.hooks.on_skip is not None:
+        run.hooks.on_skip(loss_id, scaler)

@@ -52,10 +52,10 @@ def test_loss_scalers_are_a_live_view_that_scripts_can_set():
         assert scaled.item() == pytest.approx(loss.item() * 2**12, rel=1e-6)
         scaled.backward()
     opt.step()
-    assert running.session().run.scalers[0].scale == 2.0**12
+    assert running.session().scaling.scalers[0].scale == 2.0**12
     assert amp._amp_state.loss_scalers[0]._unskipped == 1  # one clean step towards growth
     amp._amp_state.loss_scalers[0]._unskipped = 0
-    assert running.session().run.scalers[0].growth_tracker == 0
+    assert running.session().scaling.scalers[0].growth_tracker == 0
     with pytest.raises(ValueError, match="finite number > 0"):
         scaler._loss_scale = 0
     amp_patch.deinitialize()
@@ -212,7 +212,7 @@ def test_amp_patchs_own_initialize_refuses_more_losses_at_that_call():
     ob = sgd(mb)
     with pytest.raises(ConfigError, match=r"num_losses=3 \(running: 1\)"):
         amp_patch.initialize(mb, ob, opt_level="O1", half_dtype=f16, verbosity=0, num_losses=3)
-    assert running.session().models == [ma] and len(running.session().run.scalers if running.session().run else [0]) == 1
+    assert running.session().models == [ma] and len(running.session().scaling.scalers) == 1
     amp_patch.deinitialize()
 
 

@@ -143,6 +143,22 @@ def test_bad_input_raises_and_leaves_torch_alone(net):
     assert not amp_patch.is_initialized() and F.linear is linear
 
 
+def test_a_misspelled_keyword_names_the_nearest_valid_one(net):
+    """Python's own TypeError says only that the keyword is unexpected; this one says which
+    was meant, and is still a TypeError for code that catches one."""
+    model, opt = net
+    linear = F.linear
+    with pytest.raises(TypeError, match=r"^amp.initialize\(\) got an unexpected keyword argument 'opt_levl'; "
+                       r"did you mean 'opt_level'\?$") as info:
+        amp.initialize(model, opt, opt_levl="O1")
+    assert isinstance(info.value, amp_patch.AmpError)
+    with pytest.raises(TypeError, match="'keep_batchnorm_fp23'; did you mean 'keep_batchnorm_fp32'"):
+        amp.initialize(model, opt, opt_level="O2", keep_batchnorm_fp23=True)
+    with pytest.raises(TypeError, match="'zzz'; it takes models, optimizers, enabled, opt_level, "):
+        amp.initialize(model, opt, zzz=1)
+    assert not amp_patch.is_initialized() and F.linear is linear
+
+
 def test_master_params_before_initialize_are_the_optimizers_params(net):
     model, opt = net
     assert [id(p) for p in amp.master_params(opt)] == [id(p) for p in model.parameters()]

@@ -55,8 +55,8 @@ def _foreign_optimizer(m):
 
 # (id, the call given a fresh model, exception type, message pattern)
 ROWS = [
-    ("unknown-opt-level", lambda m: amp_patch.initialize(m, _sgd(m), "O6"),
-     ConfigError, r"opt_level='O6' is not an opt level; use one of O0, O1, O2, O3, O4, O5"),
+    ("unknown-opt-level", lambda m: amp_patch.initialize(m, _sgd(m), "O8"),
+     ConfigError, r"opt_level='O8' is not an opt level; use one of O0, O1, O2, O3, O4, O5, O6, O7"),
     ("zero-for-letter-O", lambda m: amp_patch.initialize(m, _sgd(m), "01"),
      ConfigError, r"opt_level='01' is not an opt level \(the letter O, not zero\)"),
     ("unknown-keyword", lambda m: amp_patch.initialize(m, _sgd(m), "O1", loss_scal=128),

@@ -3,9 +3,9 @@ modules is what ``amp_patch.config`` and ``amp_patch.apex.standins`` hold:
 each is written once and the rest is derived from, or held to, it."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 
@@ -14,15 +14,15 @@ from amp_patch import config
 from amp_patch.apex.standins import REPLACEMENTS, STANDINS
 from amp_patch.config import presets
 from amp_patch.frontends import cli
+from docs_text import docs_text, read, section
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "README.md").is_file())
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = docs_text()
 
 
-def _table_after(header: str) -> list:
-    start = README.index(header)
+def _table_after(header: str, text: str = DOCS) -> list:
+    start = text.index(header)
     rows = []
-    for line in README[start:].splitlines()[2:]:
+    for line in text[start:].splitlines()[2:]:
         if not line.startswith("|"):
             break
         rows.append([c.strip() for c in line.strip("|").split("|")])
@@ -30,7 +30,7 @@ def _table_after(header: str) -> list:
 
 
 def test_the_readme_opt_level_table_is_the_presets():
-    assert presets.readme_table() in README
+    assert presets.readme_table() in read("README.md")
 
 
 def test_every_preset_reads_back_from_parse():
@@ -42,15 +42,55 @@ def test_every_preset_reads_back_from_parse():
         assert level in config.FUNCTION_LEVELS if p.patch_torch_functions else level not in config.FUNCTION_LEVELS
 
 
-def test_every_option_is_documented_in_initialize_or_the_readme():
+def test_every_option_is_documented_in_initialize_or_the_docs():
     doc = inspect.getdoc(amp_patch.initialize)
     missing = [name for name in config.OPTIONS if f"``{name}``" not in doc and f"    {name}:" not in doc]
     assert missing == []
 
 
-def test_the_readme_option_table_names_only_options():
+def test_the_docs_option_table_names_only_options():
     named = [n for row in _table_after("| option of `initialize` |") for n in re.findall(r"`(\w+)`", row[0])]
     assert named and [n for n in named if n not in config.OPTIONS] == []
+
+
+def _reference_rows() -> dict:
+    """``{option: (default, scope)}`` from every table of the reference's option section."""
+    text = section("`initialize` options", "docs/reference.md")
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 4:
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    return rows
+
+
+def test_the_reference_lists_every_option_once_with_its_scope():
+    rows = _reference_rows()
+    assert sorted(rows) == sorted(("opt_level",) + config.OPTIONS)
+    scopes = {f.name: f.metadata["scope"] for cls in (config.AmpConfig, config.ScalerConfig)
+              for f in dataclasses.fields(cls) if "scope" in f.metadata}
+    assert {n: s for n, (_, s) in rows.items()} == {n: scopes[n] for n in rows}
+
+
+def test_the_reference_gives_each_plain_default_the_code_has():
+    """A default the reference writes as one literal (`20`, `True`, `"auto"`) is the field's default."""
+    fields = {f.name: f.default for cls in (config.AmpConfig, config.ScalerConfig)
+              for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    literal = {"True": True, "False": False, "None": None, "2**16": 2.0**16, "2**24": 2.0**24}
+    for option, (default, _) in _reference_rows().items():
+        m = re.fullmatch(r"`([^`]+)`", default)
+        if m is None or option not in fields:
+            continue  # a default that depends on the level or the device, said in words
+        value = m.group(1)
+        expected = fields[option]
+        if value in literal:
+            assert literal[value] == expected, option
+        elif value.startswith('"'):
+            assert value.strip('"') == expected, option
+        elif value.startswith("torch."):
+            assert str(expected) == value, option
+        else:
+            assert float(value) == expected, option
 
 
 def test_an_unknown_option_lists_the_options_from_the_config():
@@ -73,10 +113,12 @@ def test_run_help_lists_every_level_from_the_presets(capsys):
     assert cli.main(["run", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     for level, p in config.PRESETS.items():
-        assert f"{level}: {p.does}" in out
+        assert cli._level_help(level) in out and p.does in out
+    # O4/O5 are said to be the BF16 forms of O1/O2
+    assert "O4: the BF16 form of O1" in out and "O5: the BF16 form of O2" in out
 
 
-def test_the_readme_apex_table_is_the_standins():
+def test_the_docs_apex_table_is_the_standins():
     rows = _table_after("| Apex module | served by amp_patch |")
     served = [r for r in rows if r[1].startswith("served")]
     not_served = [r for r in rows if r[1].startswith("not served")]
@@ -89,11 +131,11 @@ def test_the_readme_apex_table_is_the_standins():
     for r in served:
         for name in first_names(r[0]):
             if name.startswith("apex."):
-                assert name in STANDINS, f"README says {name} is served; apex/standins.py does not serve it"
+                assert name in STANDINS, f"the docs say {name} is served; apex/standins.py does not serve it"
     extensions = next(r for r in served if r[0].startswith("extensions"))
     listed = set(re.findall(r"`(\w+)`", extensions[0]))
     served_ext = {n for n, to in STANDINS.items() if "." not in n and to.startswith("amp_patch.")}
-    assert served_ext <= listed, f"served extensions the README does not list: {served_ext - listed}"
+    assert served_ext <= listed, f"served extensions the docs do not list: {served_ext - listed}"
     for r in not_served:
         for name in first_names(r[0]):
             if name.startswith("apex."):

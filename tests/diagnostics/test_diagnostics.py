@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import amp_patch
 from amp_patch import diagnostics
+from amp_patch.scaling.scaler import LossScaler
 from amp_patch.base import running
 from amp_patch.diagnostics import modes
 from amp_patch.diagnostics import AmpWarning
@@ -249,10 +250,11 @@ def test_a_clip_function_captured_before_initialize_is_named_with_the_fix(tmp_pa
 # ------------------------------------------------------------ overflow provenance
 
 
-class _Scaler:
-    """Stands in for a loss scaler: ``on_skipped_step`` reads its history."""
+class _Scaler(LossScaler):
+    """A loss scaler whose history the test writes: ``on_skipped_step`` reads it."""
 
     def __init__(self):
+        super().__init__()
         self.history = []
 
 
@@ -273,7 +275,7 @@ def fp16_run(request):
     amp_patch.initialize(model, opt_level="O1", half_dtype=f16, find_overflow=True, verbosity=0)
     scaler = _Scaler()
     amp = running.session()
-    amp.scalers.append(scaler)
+    amp.scaling.scalers.append(scaler)
     try:
         yield model, amp, scaler
     finally:
@@ -332,7 +334,7 @@ def _provenance_of_one_step(model, x, level):
     amp_patch.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, half_dtype=f16,
                          find_overflow=True, verbosity=0)
     scaler = _Scaler()
-    running.session().scalers.append(scaler)
+    running.session().scaling.scalers.append(scaler)
     try:
         model(x).float().sum().backward()
         return _skip(running.session(), scaler)[0]
@@ -439,7 +441,7 @@ def test_find_overflow_arms_one_step_then_disarms():
     try:
         amp = running.session()
         scaler = _Scaler()
-        amp.scalers.append(scaler)
+        amp.scaling.scalers.append(scaler)
         # Not armed: a skipped step is only logged.
         assert diagnostics.on_skipped_step(amp, 0, scaler) is None
         assert modes._observers == () and not model.fc._forward_hooks
@@ -471,7 +473,7 @@ def test_find_overflow_true_stays_armed_and_deinitialize_removes_it():
     try:
         amp = running.session()
         scaler = _Scaler()
-        amp.scalers.append(scaler)
+        amp.scaling.scalers.append(scaler)
         for step in range(2):
             model(torch.full((2, 8), 10.0))
             prov, _, _ = _skip(amp, scaler, step=step)
@@ -491,7 +493,7 @@ def test_find_overflow_works_at_o2_style_half_models_too():
     try:
         amp = running.session()
         scaler = _Scaler()
-        amp.scalers.append(scaler)
+        amp.scaling.scalers.append(scaler)
         model(torch.full((2, 8), 10.0, dtype=f16))
         prov, _, _ = _skip(amp, scaler)
         assert (prov.kind, prov.op, prov.module, prov.dtype) == ("output", "torch.nn.functional.linear", "fc", "float16")

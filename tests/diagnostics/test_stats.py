@@ -170,6 +170,39 @@ def test_report_str_groups_by_policy_and_sorts_by_calls(amp_run):
     assert "unlisted ops seen" in text and "torch.tanh" in text
 
 
+def test_ops_inside_torchs_utilities_are_the_utilitys_not_the_models(amp_run):
+    """clip_grad_norm_ between backward and step runs patched ops (stack, __mul__, ...)
+    from inside torch.nn.utils: one line under the utility's name, not promote ops of
+    the user's line."""
+    model, opt = amp_run
+    x, y = _data()
+    for _ in range(2):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # site: clip
+        opt.step()
+    rep = amp_patch.report()
+    d = rep.to_dict()
+    assert set(d["ops"]) == {"torch.tanh", "torch.nn.functional.linear", "torch.nn.functional.mse_loss"} & set(d["ops"])
+    assert not any(q.startswith("torch.Tensor.__") or q == "torch.stack" for q in d["ops"]), sorted(d["ops"])
+    clip = d["utilities"]["torch.nn.utils.clip_grad_norm_"]
+    assert clip["first_call_site"] == f"{HERE}:{_line('# site: clip')}"
+    assert {"torch.stack", "torch.Tensor.__mul__"} <= set(clip["ops"])
+    assert clip["calls"] == sum(clip["ops"].values()) and clip["ops"]["torch.stack"] == 2
+    assert list(d["utilities"]) == ["torch.nn.utils.clip_grad_norm_"]
+    text = str(rep)
+    assert "policy sequence_promote:" not in text
+    assert "ops inside torch's utilities (their own arithmetic on your parameters and gradients; " \
+           "not your model's ops, so not in the table above):" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("torch.nn.utils.clip_grad_norm_"))
+    assert "stack 2" in row and row.endswith(f":{_line('# site: clip')}")
+    # named after the utility the script called: get_total_norm on its own, too
+    torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    assert "torch.nn.utils.get_total_norm" in amp_patch.report().to_dict()["utilities"]
+    amp_patch.reset_stats()
+    assert amp_patch.report().to_dict()["utilities"] == {}
+
+
 def test_to_dict_is_plain_json(amp_run):
     model, opt = amp_run
     _step(model, opt, *_data())
@@ -275,7 +308,7 @@ class _Scaler:
 def test_report_summarises_each_scalers_history(amp_run):
     amp = running.session()
     hist = [(0, 65536.0, True), (1, 32768.0, True), (2, 16384.0, False), (3, 16384.0, False)]
-    amp.scalers.append(_Scaler(hist, loss_id=7))
+    amp.scaling.scalers.append(_Scaler(hist, loss_id=7))
     try:
         rep = amp_patch.report()
         s = next(s for s in rep.loss_scale if s["loss_id"] == 7)
@@ -284,21 +317,21 @@ def test_report_summarises_each_scalers_history(amp_run):
         assert s["history"] == [list(r) for r in hist]
         assert "loss 7: 4 steps, 2 skipped (step 0, 1); scale 16384 now (min 16384, max 65536)" in str(rep)
     finally:
-        amp.scalers.pop()
+        amp.scaling.scalers.pop()
 
 
 def test_the_summary_range_includes_the_scale_after_the_last_step(amp_run):
     amp = running.session()
     scaler = _Scaler([(0, 65536.0, True)], loss_id=8)
     scaler.scale = 32768.0  # backed off by the skipped step
-    amp.scalers.append(scaler)
+    amp.scaling.scalers.append(scaler)
     try:
         rep = amp_patch.report()
         s = next(s for s in rep.loss_scale if s["loss_id"] == 8)
         assert (s["scale"], s["min_scale"], s["max_scale"]) == (32768.0, 32768.0, 65536.0)
         assert "scale 32768 now (min 32768, max 65536)" in str(rep)
     finally:
-        amp.scalers.pop()
+        amp.scaling.scalers.pop()
 
 
 def test_history_is_read_defensively(amp_run):
@@ -307,25 +340,25 @@ def test_history_is_read_defensively(amp_run):
     class Entry:
         step, scale, skipped = 5, 8.0, True
 
-    amp.scalers.append(_Scaler([(0, 16.0, False), "junk", (1,), Entry()], loss_id=9))
-    amp.scalers.append(object())  # a scaler with no history at all
+    amp.scaling.scalers.append(_Scaler([(0, 16.0, False), "junk", (1,), Entry()], loss_id=9))
+    amp.scaling.scalers.append(object())  # a scaler with no history at all
     try:
         summaries = amp_patch.report().loss_scale
         s = next(s for s in summaries if s["loss_id"] == 9)
         assert s["history"] == [[0, 16.0, False], [5, 8.0, True]]
         assert any(x["steps"] == 0 for x in summaries)
     finally:
-        del amp.scalers[-2:]
+        del amp.scaling.scalers[-2:]
 
 
 def test_plot_writes_a_png(amp_run, tmp_path):
     pytest.importorskip("matplotlib")
     amp = running.session()
-    amp.scalers.append(_Scaler([(i, 2.0 ** (16 - (i < 3) * i), i < 3) for i in range(10)]))
+    amp.scaling.scalers.append(_Scaler([(i, 2.0 ** (16 - (i < 3) * i), i < 3) for i in range(10)]))
     try:
         out = amp_patch.plot(tmp_path / "scale.png")
     finally:
-        amp.scalers.pop()
+        amp.scaling.scalers.pop()
     data = (tmp_path / "scale.png").read_bytes()
     assert out == str(tmp_path / "scale.png")
     assert data[:8] == b"\x89PNG\r\n\x1a\n"

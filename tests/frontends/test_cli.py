@@ -17,6 +17,7 @@ import yaml
 
 import amp_patch
 from amp_patch import frontend, oplists
+from amp_patch.oplists import view
 from amp_patch.frontends import cli
 from helpers import ENV, write
 
@@ -41,7 +42,7 @@ def marker_script(tmp_path):
     "argv,message",
     [
         (["run"], "the script to run is missing"),
-        (["run", "--opt-level", "O7", "{script}"], "--opt-level='O7' is not an opt level"),
+        (["run", "--opt-level", "O8", "{script}"], "--opt-level='O8' is not an opt level"),
         (["run", "--half-dtype", "float64", "{script}"], "--half-dtype='float64' is not supported"),
         (["run", "--loss-scale", "0", "{script}"], "--loss-scale='0' is not a loss scale"),
         (["run", "--bogus", "{script}"], "unrecognized arguments: --bogus"),
@@ -75,15 +76,48 @@ def test_bad_lists_file_content_exits_2_with_file_and_line(capsys, marker_script
 
 def test_bad_environment_variable_exits_2_naming_it(capsys, marker_script, monkeypatch):
     script, marker = marker_script
-    monkeypatch.setenv("AMP_PATCH_OPT_LEVEL", "O6")
+    monkeypatch.setenv("AMP_PATCH_OPT_LEVEL", "O8")
     assert cli.main(["run", str(script)]) == 2
-    assert "AMP_PATCH_OPT_LEVEL='O6' is not an opt level" in capsys.readouterr().err
+    assert "AMP_PATCH_OPT_LEVEL='O8' is not an opt level" in capsys.readouterr().err
     assert not marker.exists()
 
 
 def test_run_help_exits_0(capsys):
     assert cli.main(["run", "--help"]) == 0
-    assert "--opt-level" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "--opt-level" in out
+    assert "O4: the BF16 form of O1 (torch functions cast, in BF16)" in out
+    assert "O5: the BF16 form of O2 (model cast, FP32 master weights, in BF16)" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["check", "--help"], "Validate op-list override files against the shipped lists and this torch"),
+    (["check-script", "--help"], "Read a training script written for NVIDIA Apex, without running it"),
+    (["lists", "--help"], "yaml: the same policy as an op-list override file"),
+])
+def test_every_subcommand_and_option_has_help(capsys, argv, says):
+    assert cli.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert says in out
+    parser = cli._main_parser()._subparsers._group_actions[0].choices[argv[0]]
+    assert parser.description
+    assert all(a.help for a in parser._actions), [a.dest for a in parser._actions if not a.help]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "--opt-lvl", "O1", "{script}"], "unrecognized arguments: --opt-lvl (did you mean --opt-level?)"),
+    (["run", "--optlevel=O1", "{script}"], "unrecognized arguments: --optlevel=O1 (did you mean --opt-level?)"),
+    (["lists", "--formt", "yaml"], "unrecognized arguments: --formt yaml (did you mean --format?)"),
+    (["lists", "--formt", "yaml", "--devise", "cpu"], "(did you mean --format for --formt, --device for --devise?)"),
+    (["compare", "--step", "3", "{script}"], "unrecognized arguments: --step (did you mean --steps?)"),
+    (["demo", "--sise", "8"], "unrecognized arguments: --sise 8 (did you mean --size?)"),
+    (["run", "--bogus", "{script}"], "unrecognized arguments: --bogus\n"),  # nothing near it: no guess
+])
+def test_a_misspelled_option_gets_the_nearest_valid_one(capsys, marker_script, argv, says):
+    script, marker = marker_script
+    assert cli.main([a.format(script=script) for a in argv]) == 2
+    assert says in capsys.readouterr().err
+    assert not marker.exists()
 
 
 def test_no_subcommand_prints_help_and_exits_2(capsys):
@@ -191,14 +225,55 @@ def test_lists_shows_overrides_missing_ops_and_banned_by_dtype(capsys, tmp_path)
 
 def test_lists_yaml_is_machine_readable_and_agrees_with_the_loader(capsys):
     assert cli.main(["lists", "--format", "yaml", "--half-dtype", "bf16", "--device", "cpu"]) == 0
-    doc = yaml.safe_load(capsys.readouterr().out)
-    assert doc["half_dtype"] == "bfloat16" and doc["device"] == "cpu"
-    got = {(ns, op): item for ns, ops in doc["ops"].items() for op, item in ops.items()}
+    text = capsys.readouterr().out
+    doc = yaml.safe_load(text)
+    got = {(ns, op if isinstance(op, str) else op["name"]): policy
+           for ns, policies in doc.items() for policy, ops in policies.items() for op in ops}
     expected = oplists.load().resolve(torch.bfloat16, "cpu")
-    assert set(got) == set(expected)
-    assert all(got[k]["policy"] == e.policy and got[k]["source"] == e.source for k, e in expected.items())
-    bce = got[("torch.nn.functional", "binary_cross_entropy")]
-    assert bce["policy"] == "float" and bce["note"] == "banned under float16"
+    # every op an entry names; the in-place forms that follow their op are derived again on loading
+    assert got == {k: e.policy for k, e in expected.items() if not e.derived_from}
+    assert "bfloat16 on cpu" in text.splitlines()[0]
+    bce = next(line for line in text.splitlines() if line.strip().startswith("- binary_cross_entropy "))
+    assert bce.startswith("    - binary_cross_entropy  # default lists/torch.nn.functional.yaml:")
+    assert bce.endswith("; banned under float16")
+    addmm = next(line for line in text.splitlines() if line.startswith("    - addmm  # default lists/torch.Tensor.yaml:"))
+    assert addmm.endswith("in-place addmm_ follows it")
+
+
+def test_lists_yaml_is_an_override_file_that_check_and_initialize_accept(capsys, tmp_path):
+    """`amp-patch lists --format yaml > policy.yaml; amp-patch check policy.yaml`: no
+    problems, and the file loaded as the only override gives the same policy back."""
+    override = write(tmp_path, "ov.yaml", """\
+        torch.nn.functional:
+          float: [linear]
+          remove: [conv2d]
+        torch:
+          half:
+            - name: op_from_the_future
+              optional: true
+    """)
+    where = ["--half-dtype", "bf16", "--device", "cpu"]
+    assert cli.main(["lists", "--format", "yaml", "--lists", str(override), *where]) == 0
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(capsys.readouterr().out)
+    assert cli.main(["check", str(policy)]) == 0
+    assert capsys.readouterr().out == f"{policy}: no problems\n"
+
+    def table(lists):
+        rows, _, _ = view.effective(lists, "bfloat16", "cpu")
+        return {(r.namespace, r.op): (r.policy, r.missing, r.derived_from) for r in rows}
+
+    assert table([str(policy)]) == table([str(override)]) != table([])
+    doc = yaml.safe_load(policy.read_text())
+    assert "linear" in doc["torch.nn.functional"]["float"] and doc["torch.nn.functional"]["remove"] == ["conv2d"]
+    assert {"name": "op_from_the_future", "optional": True} in doc["torch"]["half"]
+    assert f"    - linear  # override {override}:2" in policy.read_text().splitlines()
+    model = torch.nn.Linear(4, 4)
+    amp_patch.initialize(model, opt_level="O4", lists=str(policy), verbosity=0)  # no ListError
+    try:
+        assert amp_patch.is_initialized()
+    finally:
+        amp_patch.deinitialize()
 
 
 def test_lists_honours_the_environment_variable(capsys, tmp_path, monkeypatch):

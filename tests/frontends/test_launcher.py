@@ -56,7 +56,7 @@ def test_settings_come_from_the_environment(monkeypatch):
 
 
 def test_explicit_values_beat_the_environment(monkeypatch):
-    monkeypatch.setenv("AMP_PATCH_OPT_LEVEL", "O7")  # would be an error if read
+    monkeypatch.setenv("AMP_PATCH_OPT_LEVEL", "O8")  # would be an error if read
     monkeypatch.setenv("AMP_PATCH_HALF_DTYPE", "bfloat16")
     s = Settings.resolve(opt_level="O1", half_dtype="float16", loss_scale="dynamic")
     assert s == Settings("O1", torch.float16, "dynamic", ())
@@ -65,7 +65,7 @@ def test_explicit_values_beat_the_environment(monkeypatch):
 @pytest.mark.parametrize(
     "var,value,message",
     [
-        ("AMP_PATCH_OPT_LEVEL", "O7", "AMP_PATCH_OPT_LEVEL='O7' is not an opt level"),
+        ("AMP_PATCH_OPT_LEVEL", "O8", "AMP_PATCH_OPT_LEVEL='O8' is not an opt level"),
         ("AMP_PATCH_OPT_LEVEL", "01", "the letter O, not zero"),
         ("AMP_PATCH_HALF_DTYPE", "float64", "AMP_PATCH_HALF_DTYPE='float64' is not supported"),
         ("AMP_PATCH_LOSS_SCALE", "-4", "AMP_PATCH_LOSS_SCALE='-4' is not a loss scale"),
@@ -434,7 +434,7 @@ moved = not torch.equal(first, model[0].weight.detach().float())
 @pytest.mark.parametrize("script_level", LEVELS)
 @pytest.mark.parametrize("launch_level", LEVELS)
 def test_the_scripts_own_initialize_wins_at_every_pair_of_levels(tmp_path, launch_level, script_level, front):
-    """README: the script's own initialize replaces the launcher's, whatever the two levels."""
+    """docs/guide.md: the script's own initialize replaces the launcher's, whatever the two levels."""
     if front == "apex":
         imp, init = "from apex import amp", "amp.initialize"
         backward = "with amp.scale_loss(loss, opt) as s: s.backward()"

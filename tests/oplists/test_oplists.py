@@ -249,14 +249,12 @@ def test_removing_needs_no_tensor_op_but_a_listed_name_and_shipped_lists_pass():
         oplists.load({"torch": {"remove": ["save"]}})
 
 
-def test_the_readmes_override_example_loads_and_each_line_does_what_its_comment_says():
-    import re
-    from pathlib import Path
-
+def test_the_docs_override_example_loads_and_each_line_does_what_its_comment_says():
     import yaml
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "remove:" in b)
+    from docs_text import docs_text
+
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", docs_text(), re.S) if "remove:" in b)
     default = load()
     table = load(yaml.safe_load(block)).resolve(torch.float16, "cuda")
     before = default.resolve(torch.float16, "cuda")

@@ -449,7 +449,7 @@ def test_second_initialize_adds_models_without_stacking_wrappers():
 @pytest.mark.parametrize(
     "kwargs, error, fragment",
     [
-        (dict(opt_level="O6"), ConfigError, "opt_level='O6' is not an opt level; use one of O0, O1, O2, O3, O4, O5"),
+        (dict(opt_level="O8"), ConfigError, "opt_level='O8' is not an opt level; use one of O0, O1, O2, O3, O4, O5, O6, O7"),
         (dict(opt_level="01"), ConfigError, "the letter O, not zero"),
         (dict(opt_level="O1", keep_batchnorm=True), ConfigError, "did you mean 'keep_batchnorm_fp32'"),
         (dict(opt_level="O1", half_dtype=torch.float64), ConfigError, "half_dtype=torch.float64 is not supported"),

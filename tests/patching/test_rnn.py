@@ -11,7 +11,7 @@ layer under ``torch.autocast("cpu", dtype=...)``:
   kernels under CPU autocast itself, so outputs, hidden states and gradients
   are bit-for-bit autocast's.
 * FP16 (O1): the kernels get every floating input in half, hidden state
-  included, as under CUDA autocast and Apex (README, "RNN hidden state"). CPU
+  included, as under CUDA autocast and Apex (docs/guide.md, "RNN hidden state"). CPU
   autocast computes the same thing given half inputs, so the reference is the
   layer under CPU autocast with its input and hidden state cast to FP16 first:
   bit-for-bit again. (Given FP32 inputs, CPU autocast keeps GRU's and the

@@ -138,7 +138,7 @@ def test_adamw_trains_on_the_true_gradients_the_backward_left_in_the_masters():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with amp(model, opt, "O5", fused_update=True) as (model, opt):
         losses = [train_step(model, opt, i % 2).item() for i in range(30)]
-        mw = amp_patch.base.running.session().optimizer_handles[id(opt)].masters
+        mw = amp_patch.base.running.session().scaling.by_optimizer[id(opt)].masters
         assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in mw.masters)
         # moved into the masters as the backward ended; the model's .grad reads them in BF16
         assert all(torch.equal(p.grad, m.grad.to(p.dtype)) for p, m in zip(mw.halfs, mw.masters))

@@ -1,6 +1,6 @@
 """O2/O5: the gradients and weights a script reads and writes on the model.
 
-The contract (README, "O2/O5: what the model's .grad and weights hold"):
+The contract (docs/guide.md, "O2/O5: what the model's .grad and weights hold"):
 inside a ``scale_loss`` block the half parameters hold the scaled gradients,
 as under Apex, and an edit there is what the exit unscales; after a backward
 each model parameter's ``.grad`` reads its true gradient in its own dtype; an

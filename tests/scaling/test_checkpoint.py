@@ -270,6 +270,46 @@ def test_a_scale_outside_the_runs_range_is_clamped_with_a_warning():
         amp_patch.deinitialize()
 
 
+def _warning_of(state) -> str:
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        amp_patch.load_state_dict(state)
+    (w,) = [w for w in rec if issubclass(w.category, amp_patch.AmpWarning)]
+    return str(w.message)
+
+
+def test_the_warning_says_what_was_kept_and_what_was_loaded():
+    """As the guide promises: the one warning names what differs, what this run kept
+    and what came from the checkpoint."""
+    _amp_state("O4")
+    try:
+        saved = amp_patch.state_dict()
+        saved["loss_scaler0"]["steps"], saved["loss_scaler0"]["skipped"] = 7, 2
+    finally:
+        amp_patch.deinitialize()
+    _amp_state("O1", half_dtype=torch.float16)
+    try:
+        msg = _warning_of(saved)
+        assert msg.endswith(
+            ". Kept: this run's half dtype, float16; this run's opt_level, 'O1'; loss scaler 0's dynamic scale 65536. "
+            "Loaded: loss scaler 0's step counters (7 steps, 2 skipped).")
+        assert msg.startswith("amp_patch.load_state_dict: the checkpoint was saved by a bfloat16 run and this run is float16; ")
+    finally:
+        amp_patch.deinitialize()
+    _amp_state("O2", half_dtype=torch.float16, max_loss_scale=2.0**20)
+    try:
+        state = amp_patch.state_dict()
+        state["loss_scaler0"] = dict(state["loss_scaler0"], loss_scale=1e300)
+        state["amp_patch"]["opt_level"] = "O1"
+        msg = _warning_of(state)
+        assert msg.endswith(
+            ". Kept: this run's opt_level, 'O2'; loss scaler 0's range [1, 1.04858e+06]. "
+            "Loaded: loss scaler 0's scale (as 1.04858e+06) and step counters (0 steps, 0 skipped); "
+            "the attention precisions chosen so far.")  # O2's cast_policy="auto" saves them
+    finally:
+        amp_patch.deinitialize()
+
+
 def test_a_matching_checkpoint_loads_without_a_word():
     _amp_state("O1", half_dtype=torch.float16)
     try:
