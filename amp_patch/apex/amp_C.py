@@ -24,7 +24,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .optimizers import _adam_direction, _copy_back, _fp32, _lamb
+from .optimizers.common import adam_direction, as_fp32, copy_back
+from .optimizers.fused_lamb import lamb
 
 Tensor = torch.Tensor
 f32 = torch.float32
@@ -335,12 +336,12 @@ def multi_tensor_adam(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence
     if not ps:
         return
     bc1, bc2 = (1 - beta1 ** step, 1 - beta2 ** step) if bias_correction == 1 else (1.0, 1.0)
-    work, work_m, work_v = _fp32(ps), _fp32(ms), _fp32(vs)
-    update = _adam_direction(work, _fp32(gs), work_m, work_v, beta1=beta1, beta2=beta2, beta3=1 - beta1,
+    work, work_m, work_v = as_fp32(ps), as_fp32(ms), as_fp32(vs)
+    update = adam_direction(work, as_fp32(gs), work_m, work_v, beta1=beta1, beta2=beta2, beta3=1 - beta1,
                              eps=epsilon, bias_correction1=bc1, bias_correction2=bc2, weight_decay=weight_decay,
                              adam_w_mode=mode == 1)
     torch._foreach_add_(work, update, alpha=-lr)
-    _copy_back(ps + ms + vs, work + work_m + work_v)
+    copy_back(ps + ms + vs, work + work_m + work_v)
 
 
 def multi_tensor_adam_capturable(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
@@ -387,13 +388,13 @@ def _adam_capturable(noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]]
     t = float(step.reshape(-1)[0])
     bc1, bc2 = (1 - beta1 ** t, 1 - beta2 ** t) if bias_correction == 1 else (1.0, 1.0)
     targets = masters if masters is not None else ps
-    work, work_m, work_v = _fp32(targets), _fp32(ms), _fp32(vs)
-    update = _adam_direction(work, grads, work_m, work_v, beta1=beta1, beta2=beta2, beta3=1 - beta1, eps=epsilon,
+    work, work_m, work_v = as_fp32(targets), as_fp32(ms), as_fp32(vs)
+    update = adam_direction(work, grads, work_m, work_v, beta1=beta1, beta2=beta2, beta3=1 - beta1, eps=epsilon,
                              bias_correction1=bc1, bias_correction2=bc2, weight_decay=weight_decay,
                              adam_w_mode=mode == 1)
     torch._foreach_mul_(update, lr.to(f32).reshape(()))
     torch._foreach_sub_(work, update)
-    _copy_back(targets + ms + vs, work + work_m + work_v)
+    copy_back(targets + ms + vs, work + work_m + work_v)
     if masters is not None:
         torch._foreach_copy_(ps, work)
 
@@ -411,7 +412,7 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: Tensor, tensor_lists: Seque
     gs, ps, hs = (list(t) for t in tensor_lists)
     if not ps:
         return
-    work, work_h = _fp32(ps), _fp32(hs)
+    work, work_h = as_fp32(ps), as_fp32(hs)
     g = [x.to(f32) for x in gs]
     if mode == 0 and weight_decay != 0:
         g = torch._foreach_add(g, work, alpha=weight_decay)
@@ -422,7 +423,7 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: Tensor, tensor_lists: Seque
     if mode == 1 and weight_decay != 0:
         torch._foreach_add_(update, work, alpha=weight_decay)
     torch._foreach_add_(work, update, alpha=-lr)
-    _copy_back(ps + hs, work + work_h)
+    copy_back(ps + hs, work + work_h)
 
 
 def multi_tensor_sgd(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], wd: float,
@@ -447,7 +448,7 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[
     if not ps or _step_noop(noop_flag):
         return
     g = torch._foreach_mul([t.to(f32) for t in gs], scale)
-    work, work_bufs = _fp32(ps), _fp32(bufs)
+    work, work_bufs = as_fp32(ps), as_fp32(bufs)
     if wd != 0 and not wd_after_momentum:
         torch._foreach_add_(g, work, alpha=wd)
     if momentum != 0:
@@ -463,7 +464,7 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[
     if wd != 0 and wd_after_momentum:
         torch._foreach_add_(g, work, alpha=wd)
     torch._foreach_add_(work, g, alpha=-lr)
-    _copy_back(ps + (bufs if momentum != 0 else []), work + (work_bufs if momentum != 0 else []))
+    copy_back(ps + (bufs if momentum != 0 else []), work + (work_bufs if momentum != 0 else []))
     if copies:
         torch._foreach_copy_(copies, work)
 
@@ -490,11 +491,11 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence
         return
     norm = global_grad_norm.to(f32).reshape(())
     clip = torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm))
-    work, work_m, work_v = _fp32(ps), _fp32(ms), _fp32(vs)
-    _lamb(work, _fp32(gs), work_m, work_v, lr=lr, beta1=beta1, beta2=beta2, eps=epsilon, step=step,
+    work, work_m, work_v = as_fp32(ps), as_fp32(ms), as_fp32(vs)
+    lamb(work, as_fp32(gs), work_m, work_v, lr=lr, beta1=beta1, beta2=beta2, eps=epsilon, step=step,
           bias_correction=bias_correction == 1, weight_decay=weight_decay, grad_averaging=grad_averaging == 1,
           adam_w_mode=mode == 1, clip=clip, use_nvlamb=bool(use_nvlamb))
-    _copy_back(ps + ms + vs, work + work_m + work_v)
+    copy_back(ps + ms + vs, work + work_m + work_v)
 
 
 def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
@@ -527,7 +528,7 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: Tensor, tensor_lis
     norm = global_grad_norm.to(f32).reshape(-1)[0]
     clip = torch.where(norm > max_global_grad_norm, norm / max_global_grad_norm, torch.ones_like(norm))
     t = float(step + 1)
-    work_m, work_v = _fp32(ms), _fp32(vs)
+    work_m, work_v = as_fp32(ms), as_fp32(vs)
     g = torch._foreach_div([x.to(f32) for x in gs], clip)
     torch._foreach_mul_(work_m, beta1)
     torch._foreach_add_(work_m, g, alpha=1 - beta1)
@@ -540,7 +541,7 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: Tensor, tensor_lis
     torch._foreach_div_(update, denom)
     decays = per_tensor_decay.to(f32).reshape(-1)
     torch._foreach_add_(update, torch._foreach_mul([p.to(f32) for p in ps], list(decays[:len(ps)].unbind())))
-    _copy_back(ms + vs, work_m + work_v)
+    copy_back(ms + vs, work_m + work_v)
     torch._foreach_copy_(ups, update)
 
 
@@ -566,10 +567,10 @@ def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: Tensor, tensor_lis
         ratios: List = list(torch.where((w != 0) & (u != 0), lr * (w / u), torch.full_like(w, lr)).unbind())
     else:
         ratios = [lr] * n
-    work = _fp32(ps)
+    work = as_fp32(ps)
     steps = torch._foreach_mul([x.to(f32) for x in ups], ratios)
     torch._foreach_sub_(work, steps)
-    _copy_back(ps, work)
+    copy_back(ps, work)
 
 
 #: Apex kernels this module does not provide -> what to use instead

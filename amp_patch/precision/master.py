@@ -574,15 +574,7 @@ class MasterWeights:
 
 def lookup(amp: Optional["Session"], param: Tensor) -> Optional[Tensor]:
     """The FP32 master of a model parameter in the running AMP state, or None."""
-    if amp is None:
-        return None
-    for h in amp.scaling.by_optimizer.values():
-        mw = h.masters
-        if mw is not None:
-            m = mw.master_of(param)
-            if m is not None:
-                return m
-    return None
+    return None if amp is None else amp.scaling.master_of(param)
 
 
 def params_of(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:

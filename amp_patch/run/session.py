@@ -96,7 +96,8 @@ class Session:
         #: loss scaling: the scalers, one handle per attached optimizer, this step's flags;
         #: it sees of the session only what ``Hooks`` hands it
         self.scaling: LossScaling = LossScaling(config, device_type, Hooks(
-            flight=self.flight, on_skip=self._on_skip, models=self._models, dtypes_before=self._dtypes_before))
+            flight=self.flight, on_skip=self._on_skip, models=self._models, dtypes_before=self._dtypes_before,
+            record_loss=self._record_loss, clear_cache=self.cache.clear, live=self._live, patch=self.patch))
         self.ledger: Optional["Ledger"] = None  # when collect_stats=True
         #: cast_policy="auto": half-list matmuls under this many FLOPs stay FP32 (0: all cast)
         self.min_flops: float = 0.0
@@ -130,6 +131,12 @@ class Session:
 
     def _models(self) -> List[torch.nn.Module]:
         return self.models
+
+    def _record_loss(self, loss: torch.Tensor, loss_id: int, step: int) -> None:
+        diagnostics.record_loss(self, loss, loss_id, step)
+
+    def _live(self) -> bool:
+        return running.session() is self
 
     def _dtypes_before(self) -> Dict[int, torch.dtype]:
         # a converted model's parameter comes back from deinitialize in its dtype from before

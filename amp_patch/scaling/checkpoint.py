@@ -145,7 +145,7 @@ def load_state_dict(state: dict, *, strict: bool = True) -> None:
     if notes:
         diagnostics.warn_user("amp_patch.load_state_dict: " + "; ".join(notes) + ". Kept: " + "; ".join(kept)
                               + ". Loaded: " + "; ".join(loaded) + ".")
-    ensure_patches(amp)  # a static scale of 1 may have become another
+    ensure_patches(amp.scaling)  # a static scale of 1 may have become another
 
 
 def counters() -> Dict[str, Any]:

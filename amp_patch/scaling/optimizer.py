@@ -272,7 +272,7 @@ def attach(amp: "Session", optimizers: Sequence[torch.optim.Optimizer], built: O
             h.kernel.original = h.originals["step"]
         run.handles.append(h)
         amp.undo.push(_RestoreMethods(h))
-    ensure_patches(amp)
+    ensure_patches(run)
 
 
 def attach_wrappers(wrappers: Sequence[Any], undo: Any) -> None:

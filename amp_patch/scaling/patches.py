@@ -9,10 +9,8 @@ import torch
 import wrapt
 
 from .. import diagnostics
-from ..base import running
 from ..base.eager import eager
 from ..patching.wrappers import OpWrapper, switch
-from ..precision import master
 from . import leaves
 from .state import Handle, LossScaling, after_backward, arm, before_backward, loss_factor, transfer_all
 
@@ -21,7 +19,6 @@ if TYPE_CHECKING:
 
     from torch.utils.hooks import RemovableHandle
 
-    from ..run.session import Session
 
 Tensor = torch.Tensor
 
@@ -33,34 +30,35 @@ def _clip_targets() -> List[Tuple[ModuleType, str]]:
     return [(owner, n) for owner in (nnu, cg) for n in names if hasattr(owner, n)]
 
 
-def _make_clip_patch(amp: "Session"):
+def _make_clip_patch(run: LossScaling):
+    live = run.hooks.live
+
     def clip(wrapped, instance, args, kwargs):
-        run = amp.scaling
-        if run is None or running.session() is not amp:
+        if not live():
             return wrapped(*args, **kwargs)
         transfer_all(run)
         if args:
-            args = (_to_masters(amp, args[0]),) + tuple(args[1:])
+            args = (_to_masters(run, args[0]),) + tuple(args[1:])
         elif "parameters" in kwargs:
-            kwargs = dict(kwargs, parameters=_to_masters(amp, kwargs["parameters"]))
+            kwargs = dict(kwargs, parameters=_to_masters(run, kwargs["parameters"]))
         return wrapped(*args, **kwargs)
 
     return lambda original: OpWrapper(original, clip)
 
 
-def _to_masters(amp: "Session", parameters: Union[Tensor, Iterable[object]]) -> List[object]:
+def _to_masters(run: LossScaling, parameters: Union[Tensor, Iterable[object]]) -> List[object]:
     """Parameters with each half model parameter replaced by its FP32 master."""
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     out: List[object] = []
     for p in parameters:
-        m = master.lookup(amp, p) if isinstance(p, Tensor) else None
+        m = run.master_of(p) if isinstance(p, Tensor) else None
         out.append(p if m is None else m)
     return out
 
 
 
-def ensure_patches(amp: "Session") -> None:
+def ensure_patches(run: LossScaling) -> None:
     """Patch the torch functions this run needs now and does not have yet.
 
     ``Tensor.backward`` when a plain ``loss.backward()`` has work to do (loss
@@ -70,14 +68,13 @@ def ensure_patches(amp: "Session") -> None:
     scale of 1) patches nothing on torch. Called again whenever that may
     change: an optimizer attached, a loss scale loaded.
     """
-    run = amp.scaling
     run.refresh_plain()
     items = []
-    if run.plain or amp.config.patch_torch_functions:
-        items.append((torch.Tensor, "backward", make_backward_patch(amp)))
-    if any(s.active for s in run.scalers) or amp.config.master_weights:
-        items += [(owner, name, _make_clip_patch(amp)) for owner, name in _clip_targets()]
-    amp.patch(items)  # skips what is patched already
+    if run.plain or run.config.patch_torch_functions:
+        items.append((torch.Tensor, "backward", make_backward_patch(run)))
+    if any(s.active for s in run.scalers) or run.config.master_weights:
+        items += [(owner, name, _make_clip_patch(run)) for owner, name in _clip_targets()]
+    run.hooks.patch(items)  # skips what is patched already
 
 
 def guard_foreign(run: LossScaling, loss: Tensor, handles: Sequence[Handle], loss_id: int) -> Tuple[bool, List["RemovableHandle"]]:
@@ -103,7 +100,7 @@ def guard_foreign(run: LossScaling, loss: Tensor, handles: Sequence[Handle], los
     return reaches, leaves.unscale_on_arrival(foreign, run, loss_id)
 
 
-def make_backward_patch(amp: "Session"):
+def make_backward_patch(run: LossScaling):
     """The ``Tensor.backward`` patch: loss scaling for plain loops, and an empty cast cache.
 
     The cache is emptied before the backward too: the forward is over, and
@@ -112,20 +109,19 @@ def make_backward_patch(amp: "Session"):
     recomputed inside the backward (activation checkpointing) casts again, to
     the same values.
     """
-    run = amp.scaling
     sw = switch
-
-    flight = amp.flight
+    hooks = run.hooks
+    flight, clear_cache, record_loss = hooks.flight, hooks.clear_cache, hooks.record_loss
 
     def make(original):
         def backward(wrapped, instance, args, kwargs):
             if not flight.enter("backward"):  # the session ended while this call waited for it
                 return wrapped(*args, **kwargs)
-            amp.cache.clear()
+            clear_cache()
             try:
                 if not flight.inside("scale_loss") and not args and kwargs.get("gradient") is None:
                     # the true loss, for plot() and report() (scale_loss records its own)
-                    diagnostics.record_loss(amp, instance, 0, run.scalers[0].steps if run.scalers else 0)
+                    record_loss(instance, 0, run.scalers[0].steps if run.scalers else 0)
                 if (
                     not run.plain
                     or sw.off
@@ -137,9 +133,9 @@ def make_backward_patch(amp: "Session"):
                     return wrapped(*args, **kwargs)
                 handles = list(run.handles)
                 scaler = run.scalers[0]
-                hooks: List["RemovableHandle"] = []
+                leaf_hooks: List["RemovableHandle"] = []
                 if scaler.active:
-                    reaches, hooks = guard_foreign(run, instance, handles, 0)
+                    reaches, leaf_hooks = guard_foreign(run, instance, handles, 0)
                     if not reaches:
                         # nothing amp_patch unscales: the backward of a model no
                         # attached optimizer owns runs as written, unscaled
@@ -150,11 +146,11 @@ def make_backward_patch(amp: "Session"):
                 try:
                     return original(loss, *args, **kwargs)
                 finally:
-                    for hook in hooks:
+                    for hook in leaf_hooks:
                         hook.remove()
                     after_backward(run, handles, 0, armed=armed)
             finally:
-                amp.cache.clear()
+                clear_cache()
                 flight.leave()
 
         return wrapt.FunctionWrapper(original, eager(backward))  # eager under torch.compile (base.eager)

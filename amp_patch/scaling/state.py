@@ -166,7 +166,10 @@ class Hooks:
 
     def __init__(self, flight: Any = None, on_skip: Optional[Callable[[int, LossScaler], None]] = None,
                  models: Callable[[], Sequence[torch.nn.Module]] = tuple,
-                 dtypes_before: Callable[[], Dict[int, torch.dtype]] = dict):
+                 dtypes_before: Callable[[], Dict[int, torch.dtype]] = dict,
+                 record_loss: Callable[[Tensor, int, int], None] = lambda loss, loss_id, step: None,
+                 clear_cache: Callable[[], None] = lambda: None, live: Callable[[], bool] = lambda: True,
+                 patch: Callable[[Sequence[Any]], None] = lambda items: None):
         #: the session's work in flight (``run.flight.InFlight``): the patched step enters it
         self.flight = flight
         #: told of each skipped step (overflow provenance, ``diagnostics``)
@@ -175,6 +178,14 @@ class Hooks:
         self.models = models
         #: a converted parameter's dtype before ``initialize``, by id (``add_param_group``)
         self.dtypes_before = dtypes_before
+        #: keeps the true loss of a plain backward (``record_loss(loss, loss_id, step)``, for plot())
+        self.record_loss = record_loss
+        #: empties the cast cache (around every backward)
+        self.clear_cache = clear_cache
+        #: whether the session is still the running one (a patch called after it passes through)
+        self.live = live
+        #: patches torch's functions for the session, all or nothing, with their undo
+        self.patch = patch
 
 
 class LossScaling:
@@ -214,6 +225,15 @@ class LossScaling:
         if self.device_type == "cuda" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)
+
+    def master_of(self, param: Tensor) -> Optional[Tensor]:
+        """The FP32 master of a model parameter, or None."""
+        for h in self.by_optimizer.values():
+            if h.masters is not None:
+                m = h.masters.master_of(param)
+                if m is not None:
+                    return m
+        return None
 
     def handle_of(self, optimizer: torch.optim.Optimizer) -> Optional["Handle"]:
         """``optimizer``'s handle while it is attached, else None."""

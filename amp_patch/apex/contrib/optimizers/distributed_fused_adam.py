@@ -18,7 +18,8 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ...optimizers import Closure, FusedAdam, Params
+from ...optimizers import FusedAdam
+from ...optimizers.common import Closure, Params
 
 log = logging.getLogger("amp_patch")
 

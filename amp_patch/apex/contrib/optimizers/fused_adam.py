@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from ...optimizers import FusedAdam as _FusedAdam
-from ...optimizers import Params
+from ...optimizers.common import Params
 
 __all__ = ["FusedAdam"]
 

@@ -11,7 +11,8 @@ import torch
 from torch.optim.optimizer import required
 
 from ... import amp_C
-from ...optimizers import Closure, Params, _per_group, sgd_defaults
+from ...optimizers.common import Closure, Params, _per_group
+from ...optimizers.fused_sgd import sgd_defaults
 
 __all__ = ["FusedSGD"]
 
