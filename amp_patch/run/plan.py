@@ -374,7 +374,7 @@ def end(amp: Session) -> None:
     try:
         scaling_state.settle(amp.scaling)
         patched = collections.Counter(entry.policy for entry in (amp.table or {}).values())
-        running.set_ended(running.Ended(counters_of(amp), report_of(amp), dict(patched)))
+        running.set_ended(running.Ended(counters_of(amp.scaling), report_of(amp), dict(patched)))
     finally:
         amp.end()
 

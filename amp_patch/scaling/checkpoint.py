@@ -3,7 +3,7 @@ scalers, and ``counters``."""
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .. import diagnostics
 from ..base import running
@@ -11,9 +11,7 @@ from ..base.errors import ConfigError
 from ..patching import attention
 from .api import current
 from .patches import ensure_patches
-
-if TYPE_CHECKING:
-    from ..run.session import Session
+from .state import LossScaling
 
 STATE_VERSION = 1
 
@@ -173,12 +171,11 @@ def counters() -> Dict[str, Any]:
     last = running.last_ended()
     if running.session() is None and last is not None:
         return copy.deepcopy(last.counters)  # the caller may edit its copy
-    return counters_of(current("counters"))
+    return counters_of(current("counters").scaling)
 
 
-def counters_of(amp: "Session") -> Dict[str, Any]:
-    """``counters()`` of the session ``amp``."""
-    run = amp.scaling
+def counters_of(run: LossScaling) -> Dict[str, Any]:
+    """``counters()`` of a session's loss scaling (reads what the device counted: one wait)."""
     opts = [{"steps": h.steps, "skipped": h.skipped, "fused": h.fused.steps if h.fused is not None else 0,
              "one_pass": h.kernel.steps if h.kernel is not None else 0}
             for h in run.handles]

@@ -12,6 +12,7 @@ import torch
 from ..base import running
 from ..base.eager import eager
 from ..base.errors import StateError
+from . import steps
 from .patches import ensure_patches
 from .state import Handle, LossScaling, Stage, decide_skips, transfer, transfer_all
 
@@ -62,36 +63,31 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
         # what the script did to the model since the backward reaches the masters
         mw.take_model_grads()
         mw.take_model_writes()
-    if isinstance(h.skip, Tensor) and closure is None:
-        # sync-free: the update takes the device flag itself. The flag stands until
+    decision = h.skip
+    if isinstance(decision, Tensor):
+        # sync-free: a step that reads the device flag itself. The flag stands until
         # the next backward, so a second step() without one decides as this one did.
-        out = _flagged_step(h, h.skip, args, kwargs)
-        if out is not _CANNOT:
-            h.count(h.skip)
+        taken, out = steps.take(h, decision, closure is not None, args, kwargs)
+        if taken:
+            h.count(decision)
             if mw is not None:
                 mw.note_halfs()
                 mw.consumed()
             return out
-    # the decision on the host: under sync-free steps, the one sync of a step whose
-    # update cannot take the flag (docs/guide.md, "Steps with no host sync")
-    skip = bool(h.skip)
+    # the decision on the host: under sync-free steps, the one sync of a step no link
+    # of the chain can take with the flag (docs/guide.md, "Steps with no host sync")
+    skip = bool(decision)
+    out = None
     if not skip:
         # A skip decision stands until the next backward: a second step() with
         # no backward in between must not apply the overflowed gradients.
         h.skip = None
-        if closure is None and h.kernel is not None and h.kernel.step():
-            out = None  # the FP32 gradients applied (and, with masters, the half model written) in one pass
-        elif closure is None and h.fused is not None and _fused_step(h):
-            out = None  # the compiled update, where the one-pass step cannot go
-        else:
-            out = h.originals["step"](*args, **kwargs)
-            if mw is not None:
-                mw.refresh()
+        out = steps.take(h, False, closure is not None, args, kwargs)[1]
     h.count(skip)
     if mw is not None:
         mw.note_halfs()
         mw.consumed()
-    return None if skip else out
+    return out
 
 
 def _refuse_traced_backward(h: Handle) -> None:
@@ -113,53 +109,6 @@ def _refuse_traced_backward(h: Handle) -> None:
             f"function then breaks its graph at loss.backward(), which amp_patch runs), or call loss.backward() "
             f"outside the compiled function."
         )
-
-
-#: what ``_flagged_step`` returns when the update cannot take a device flag
-_CANNOT = object()
-
-
-def _flagged_step(h: Handle, flag: Tensor, args: tuple, kwargs: dict) -> Any:
-    """Take ``h``'s step with the skip decision as a device flag (1.0: skip), no host
-    sync: the one-pass C step reads it on the CPU; an optimizer whose step takes
-    ``found_inf`` (torch's ``fused=True`` Adam, AdamW, SGD, Adagrad: the attribute
-    ``GradScaler`` sets) skips on it on the device, its step counts unchanged.
-    Returns the step's result, or ``_CANNOT`` with nothing done."""
-    if h.kernel is not None and flag.device.type == "cpu":
-        plan = h.kernel.plan(flagged=True)
-        if plan is not None:
-            if not h.kernel.takes_flag(plan):
-                return _CANNOT
-            h.kernel.run(plan, skip=flag)
-            return None
-    if h.fused is not None:
-        return _CANNOT  # the compiled update decides on the host
-    opt = h.optimizer
-    if not getattr(opt, "_step_supports_amp_scaling", False):
-        return _CANNOT
-    saved = {k: vars(opt).get(k, _NOTSET) for k in ("grad_scale", "found_inf")}
-    opt.grad_scale, opt.found_inf = None, flag  # the gradients are unscaled already
-    try:
-        out = h.originals["step"](*args, **kwargs)
-    finally:
-        for k, v in saved.items():
-            if v is _NOTSET:
-                delattr(opt, k)
-            else:
-                setattr(opt, k, v)
-    if h.masters is not None:
-        h.masters.refresh()  # a skipped step left the masters as they were: the copy changes nothing
-    return out
-
-
-def _fused_step(h: Handle) -> bool:
-    """Take this step with the compiled fused update (``fused_update=True``),
-    from the true FP32 gradients every backward left in the masters.
-
-    Returns False, with nothing done, when the plain step must run instead.
-    """
-    plan = h.fused.plan()
-    return plan is not None and h.fused.run(plan)
 
 
 class _AbsorbAfter:

@@ -49,7 +49,7 @@ def same(a, b):
     return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
 def test_a_model_compiled_with_fullgraph_trains_as_the_eager_one(level):
     m, opt = setup(level)
     compiled = torch.compile(m, fullgraph=True, backend=BACKEND)
