@@ -838,21 +838,23 @@ static PyObject *py_check(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(absorb_doc,
-"absorb(items, threads, inv, found) -> found_inf\n\n"
+"absorb(items, threads, inv, found, inv_at=0) -> found_inf\n\n"
 "Move gradients into FP32 master gradients in one pass: each item (p, g, gk, _, _, _, _, _, n, _, mode)\n"
 "reads the gradient g (kind gk), multiplies it by inv (not when inv is 1) and writes p = v (mode 0),\n"
 "p = p + v (1) or p = 0 + v (2); an inf or NaN gradient element sets the FP32 at address found\n"
-"(0: none) to 1.0, as torch's unscale-and-check does. Returns whether one was found.");
+"(0: none) to 1.0, as torch's unscale-and-check does. Returns whether one was found. inv_at: the address\n"
+"of an FP32 inverse scale read instead of inv as the call starts (the loss scale kept as a tensor).");
 
 static PyObject *py_absorb(PyObject *self, PyObject *args) {
-    PyObject *seq, *fo;
+    PyObject *seq, *fo, *io = NULL;
     int threads;
     double inv;
-    void *found;
-    if (!PyArg_ParseTuple(args, "OidO", &seq, &threads, &inv, &fo) || as_ptr(fo, &found)) return NULL;
+    void *found, *inv_at = NULL;
+    if (!PyArg_ParseTuple(args, "OidO|O", &seq, &threads, &inv, &fo, &io) || as_ptr(fo, &found)) return NULL;
+    if (io && as_ptr(io, &inv_at)) return NULL;
     Hyper hp;
     memset(&hp, 0, sizeof hp);
-    hp.inv = (float)inv;
+    hp.inv = inv_at ? *(const float *)inv_at : (float)inv;
     Py_ssize_t n;
     Item *items = parse_items(seq, &n);
     if (!items) return NULL;

@@ -274,13 +274,18 @@ def absorbable(g: Tensor) -> bool:
     return g.dtype in KINDS and g.dtype is not f32 and not g.requires_grad and _plain(g)
 
 
-def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: float, found: int) -> None:
+def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: Union[float, Tensor], found: int) -> None:
     """Move each ``(dst, g, mode)``'s half gradient ``g`` into its FP32 ``dst`` in one
     pass: check it for inf/NaN (into the FP32 flag at address ``found``; 0: not
-    checked), multiply it by ``inv`` and write or add it (``mode``). Every ``g`` is
+    checked), multiply it by ``inv`` (a float, or a 0-d FP32 CPU tensor the C reads:
+    the loss scale kept on the device) and write or add it (``mode``). Every ``g`` is
     ``absorbable`` and every ``dst`` a contiguous CPU FP32 tensor of its size."""
     items = [Move(dst.data_ptr(), g.data_ptr(), KINDS[g.dtype], n=dst.numel(), mode=mode) for dst, g, mode in moves]
-    native.absorb(items, threads_for(sum(it.n for it in items)), inv, found)
+    threads = threads_for(sum(it.n for it in items))
+    if isinstance(inv, Tensor):
+        native.absorb(items, threads, 1.0, found, inv.data_ptr())
+    else:
+        native.absorb(items, threads, inv, found)
 
 
 class KernelStep:

@@ -91,7 +91,7 @@ class MasterWeights:
         self.kept_half = False
         #: (inverse scale, address of the FP32 inf/NaN flag or 0) while a backward moves each half
         #: gradient into its master as autograd finishes it (``arm``); None otherwise
-        self.armed: Optional[Tuple[float, int]] = None
+        self.armed: Optional[Tuple[Union[float, Tensor], int]] = None
         #: the masters the armed backward has given a gradient so far (``collect_grads`` takes them)
         self.absorbed: Set[int] = set()
         #: one post-accumulate-grad hook handle per half parameter (None: it needs no gradient)
@@ -177,7 +177,7 @@ class MasterWeights:
         return (not self.model_grads and kernel.native is not None and bool(self.masters)
                 and self.masters[0].device.type == "cpu")
 
-    def arm(self, inv: float, found: int) -> None:
+    def arm(self, inv: Union[float, Tensor], found: int) -> None:
         """From now until ``disarm``, each half gradient autograd finishes is moved into
         its master's FP32 gradient at once, multiplied by ``inv`` and checked for inf/NaN
         into the FP32 flag at address ``found`` (0: not checked), and the half gradient is

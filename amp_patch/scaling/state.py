@@ -358,12 +358,14 @@ class _Unscale:
     def __init__(self, run: LossScaling, check: int, loss_id: int):
         self.run, self.check, self.loss_id = run, check, loss_id
 
-    def cpu_args(self) -> Tuple[float, int]:
+    def cpu_args(self) -> Tuple[Union[float, Tensor], int]:
         """``(1 / scale, address of the CPU inf/NaN flag)``: what the C routine that
-        unscales and checks CPU gradients as it moves them takes (``precision.master``).
-        On the CPU the host scale is current: every update reached it when it was made."""
+        unscales and checks CPU gradients as it moves them takes (``precision.master``);
+        under sync-free steps the inverse is the scaler's CPU tensor, which the C reads."""
         flag = self.run.found_flag(self.check, _CPU)
-        return 1.0 / self.run.scalers[self.loss_id].scale, flag.data_ptr()
+        scaler = self.run.scalers[self.loss_id]
+        inv = scaler.inv_tensor(_CPU) if scaler.device is not None else 1.0 / scaler.scale
+        return inv, flag.data_ptr()
 
     def __call__(self, tensors: List[Tensor]) -> None:
         by_device: Dict[torch.device, List[Tensor]] = {}
