@@ -93,6 +93,8 @@ class Handle:
         #: the skip decision waiting for this optimizer's step: a bool, or under
         #: sync-free steps the 0-d device flag (1.0: skip)
         self.skip: Union[None, bool, Tensor] = None
+        #: whether the optimizer's step skips on a ``found_inf`` attribute (``steps``; None: not asked yet)
+        self.reads_found_inf: Optional[bool] = None
         self.calls = 0  # calls of step(), taken or skipped
         self._skipped = DeviceCount()  # skips decided on the device are counted there
 

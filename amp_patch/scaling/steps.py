@@ -22,6 +22,7 @@ With a closure (LBFGS) only ``Torch`` steps.
 """
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
 
 import torch
@@ -69,7 +70,7 @@ def _torch(h: "Handle", skip: Decision, closure: bool, args: tuple, kwargs: dict
     opt = h.optimizer
     if not isinstance(skip, Tensor):
         out = h.originals["step"](*args, **kwargs)
-    elif getattr(opt, "_step_supports_amp_scaling", False):
+    elif _reads_found_inf(h):
         # torch's fused optimizers skip on found_inf on the device, their step counts
         # unchanged (the attributes GradScaler sets; the gradients are unscaled already)
         saved = {k: vars(opt).get(k, _NOTSET) for k in ("grad_scale", "found_inf")}
@@ -87,6 +88,25 @@ def _torch(h: "Handle", skip: Decision, closure: bool, args: tuple, kwargs: dict
     if h.masters is not None:
         h.masters.refresh()  # the masters into the half model (a skipped step changes nothing)
     return None, out
+
+
+def _reads_found_inf(h: "Handle") -> bool:
+    """Whether the optimizer's step reads ``found_inf`` from its attributes: torch's
+    contract for ``_step_supports_amp_scaling``, which ``GradScaler`` follows only
+    where ``step`` takes no ``grad_scaler`` argument (an optimizer that takes one,
+    as Apex's capturable ``FusedAdam`` does, reads the scaler instead). Asked once
+    per optimizer."""
+    known = h.reads_found_inf
+    if known is None:
+        opt = h.optimizer
+        known = False
+        if getattr(opt, "_step_supports_amp_scaling", False):
+            try:
+                known = "grad_scaler" not in inspect.signature(h.originals["step"]).parameters
+            except (TypeError, ValueError):
+                known = False
+        h.reads_found_inf = known
+    return known
 
 
 #: the chain, in the order its links are tried

@@ -113,7 +113,7 @@ def train(level, opt_name, sync_free, poison=(1, 4), steps=7, reads=None, form="
     """Train a few steps with inf forced into the loss at steps ``poison``; return
     everything a step leaves: parameters, optimizer state, scaler state, counters."""
     model = model_for()
-    opt = OPTIMIZERS[opt_name](model.parameters())
+    opt = {**OPTIMIZERS, **OTHERS}[opt_name](model.parameters())
     model, opt = amp_patch.initialize(model, opt, verbosity=0, sync_free=sync_free, **LEVELS[level])
     g = torch.Generator().manual_seed(1)
     for i in range(steps):
@@ -342,3 +342,21 @@ def test_the_loss_log_reaches_the_host_without_a_read(monkeypatch):
     rows = got["losses"]
     assert [step for _, step, _ in rows] == list(range(7))
     assert rows[2][2] == float("inf") and all(0 < v < float("inf") for i, (_, _, v) in enumerate(rows) if i != 2)
+
+
+@pytest.mark.parametrize("level", ["O1_fp16", "O2_fp16"])
+def test_an_optimizer_that_reads_a_grad_scaler_is_skipped_on_the_host(level):
+    # Apex's capturable FusedAdam says it supports AMP scaling, but reads a GradScaler
+    # passed to its step, not a found_inf attribute: the flag is decided on the host,
+    # and the overflowed steps are skipped as in the synced run
+    from amp_patch.apex.optimizers import FusedAdam
+
+    OTHERS["apex_fused_adam"] = lambda ps: FusedAdam(ps, lr=1e-3, capturable=True)
+    try:
+        got = train(level, "apex_fused_adam", sync_free=True)
+        want = train(level, "apex_fused_adam", sync_free=False)
+    finally:
+        del OTHERS["apex_fused_adam"]
+    assert_same(got, want)
+    assert got["counters"]["skipped"] == 2
+    assert _amp_reads(level, "rmsprop", True) == 3  # the host read of a step that cannot take the flag
