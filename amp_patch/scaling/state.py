@@ -488,14 +488,6 @@ def _rescale_true_grads(h: Handle, scaler: LossScaler) -> None:
             torch._foreach_mul_(grads, loss_factor(scaler, grads[0]))
 
 
-def _any_grad(h: Handle) -> Tensor:
-    """A tensor on the device of ``h``'s gradients (where the scale is wanted)."""
-    for g in h.optimizer.param_groups:
-        for p in g["params"]:
-            return p
-    return torch.empty(0)
-
-
 def before_backward(run: LossScaling, handles: Sequence[Handle], loss_id: int) -> None:
     """Get gradients ready for a backward of ``loss_id`` into ``handles``.
 
@@ -522,7 +514,7 @@ def before_backward(run: LossScaling, handles: Sequence[Handle], loss_id: int) -
             _absorb(h)
         if has_masters:
             if dist:
-                h.masters.rescale_model_grads(loss_factor(scaler, _any_grad(h)) if scaled else 1.0)
+                h.masters.rescale_model_grads(loss_factor(scaler, h.masters.masters[0]) if scaled else 1.0)
             else:
                 h.masters.drop_model_grads()
         if h.stage is Stage.SCALED or not scaled:
@@ -664,13 +656,13 @@ def _decide_on_device(run: LossScaling, per_check: Dict[int, Tensor], dev: torch
     ``torch.distributed``, its loss's flag over every rank), each checked loss's
     scaler moved on the device, and the records that reached the host replayed
     (notices, the skip limit). Returns the losses stuck at the skip limit."""
-    by_loss: Dict[int, List[Tensor]] = {}
-    for c, f in per_check.items():
-        by_loss.setdefault(run.checks[c], []).append(f)
+    by_loss: Dict[int, List[int]] = {}  # loss -> its checks
+    for c in per_check:
+        by_loss.setdefault(run.checks[c], []).append(c)
     if distributed():
         # every rank reaches this point once per step, so the collective pairs up
-        flags = torch.stack([torch.stack(by_loss[l]).amax() if l in by_loss else torch.zeros((), device=dev)
-                             for l in range(len(run.scalers))])
+        flags = torch.stack([torch.stack([per_check[c] for c in by_loss[l]]).amax() if l in by_loss
+                             else torch.zeros((), device=dev) for l in range(len(run.scalers))])
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         flags.clamp_(max=1.0)
         loss_flag = {l: flags[l] for l in by_loss}
@@ -679,8 +671,9 @@ def _decide_on_device(run: LossScaling, per_check: Dict[int, Tensor], dev: torch
     else:
         for c, f in per_check.items():
             per_check[c] = f.clamp(max=1.0)  # several devices' flags add up
-        loss_flag = {l: fs[0].clamp(max=1.0) if len(fs) == 1 else torch.stack(fs).amax().clamp(max=1.0)
-                     for l, fs in by_loss.items()}
+        # each loss's flag: the largest of its checks' (0/1 already)
+        loss_flag = {l: per_check[cs[0]] if len(cs) == 1 else torch.stack([per_check[c] for c in cs]).amax()
+                     for l, cs in by_loss.items()}
     stuck = []
     for l in sorted(run.checked):
         if l in loss_flag:
