@@ -6,7 +6,7 @@ op lists live in the top-level ``lists/`` folder and ship as
 ``amp_patch.lists``.
 
 ``amp_patch.patching._fastpath`` does a patched op's no-cast check in C, and
-``amp_patch.precision._fusedstep`` is the one-pass O2/O5 optimizer step. Both
+``amp_patch.precision._onepass`` is the one-pass O2/O5 optimizer step. Both
 are optional: without a C compiler the build skips them and amp_patch runs its
 pure-Python wrappers and the plain optimizer step, which compute the same,
 only slower.
@@ -24,7 +24,7 @@ setup(
     package_dir={"amp_patch": "amp_patch", "amp_patch.lists": "lists"},
     ext_modules=[
         Extension("amp_patch.patching._fastpath", ["amp_patch/patching/_fastpath.c"], optional=True),
-        Extension("amp_patch.precision._fusedstep", ["amp_patch/precision/_fusedstep.c"], optional=True,
+        Extension("amp_patch.precision._onepass", ["amp_patch/precision/_onepass.c"], optional=True,
                   extra_compile_args=STEP_FLAGS, extra_link_args=["-pthread"]),
     ],
 )

@@ -87,7 +87,7 @@ def initialize(
               patterns or a filter kept FP32 at O2/O3/O5), ``save_dtype``
               (the dtype ``state_dict()`` saves), ``fused_update`` (O2/O5:
               the compiled one-pass step where the default one-pass C step,
-              ``amp_patch.precision.kernel``, cannot go), ``model_grads``
+              ``amp_patch.precision.onepass``, cannot go), ``model_grads``
               (O2/O5, default True: after a backward each model parameter's
               ``.grad`` reads its true gradient in the half dtype, and edits
               there reach the step; False moves half gradients into the FP32
@@ -165,7 +165,7 @@ def deinitialize() -> None:
 
     Safe to call from another thread while one trains: it waits until no
     forward, backward or step amp_patch runs is in flight (see
-    ``amp_patch.run.flight``). Gradients a scaled backward left for a step that
+    ``amp_patch.base.inflight``). Gradients a scaled backward left for a step that
     has not run yet are unscaled, or dropped when they overflowed, so the
     plain ``optimizer.step()`` that follows applies true gradients.
 
@@ -173,7 +173,7 @@ def deinitialize() -> None:
         StateError: when called inside an open ``scale_loss`` block, from a
             hook inside a forward, backward or step amp_patch runs, or when
             another thread's work does not finish within
-            ``amp_patch.run.flight.WAIT_SECONDS``; nothing is changed.
+            ``amp_patch.base.inflight.WAIT_SECONDS``; nothing is changed.
     """
     with _lock:
         amp = running.session()
@@ -323,11 +323,11 @@ def adopt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             return optimizer
         # the first initialize's fused_update applies to an adopted optimizer; no models come with it
         config = amp.config.replace(keep_fp32=None)
-        optimizers_side.validate([], [optimizer], config, amp)
+        optimizers_side.validate([], [optimizer], config, amp.precision)
         mark = amp.undo.mark()
         try:
-            built = optimizers_side.attach(amp, [], [optimizer], {}, config)
-            optimizer_scaling.attach(amp, [optimizer], built)
+            built = optimizers_side.attach(amp.precision, [], [optimizer], {}, config)
+            optimizer_scaling.attach(amp.scaling, amp.undo, [optimizer], built)
             amp.extend(amp.optimizers, [optimizer])
         except BaseException:
             amp.undo.pop_to(mark)

@@ -10,7 +10,7 @@ backward around it, for SGD, SGD with momentum and AdamW:
 - ``plain``: the O2 step without the kernel (copy the gradients into FP32, the
   optimizer's own update, copy the masters into the model);
 - ``compiled``: ``fused_update=True`` with the kernel left out (torch.compile);
-- ``one-pass``: the default O2 step, the C kernel (``amp_patch/precision/_fusedstep.c``).
+- ``one-pass``: the default O2 step, the C kernel (``amp_patch/precision/_onepass.c``).
 
 The three run in interleaved blocks whose order rotates, and each ratio is
 taken per block (median over blocks), so a machine shared with other work
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import amp_patch
-from amp_patch.precision import kernel
+from amp_patch.precision import onepass
 
 OPTIMIZERS = {
     "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-4),
@@ -78,9 +78,9 @@ class _Session:
 
     def __enter__(self):
         s = self.s
-        self.native = kernel.native
+        self.native = onepass.native
         if s.mode != "one-pass":
-            kernel.native = None  # as where the kernel is not built
+            onepass.native = None  # as where the kernel is not built
         model, opt = amp_patch.initialize(s.model, s.opt, "O2", half_dtype=s.half,
                                           fused_update=s.mode == "compiled", verbosity=0)
         s.model, s.opt = model, opt
@@ -89,7 +89,7 @@ class _Session:
     def __exit__(self, *exc):
         c = amp_patch.counters()["optimizers"][0]
         amp_patch.deinitialize()
-        kernel.native = self.native
+        onepass.native = self.native
         if not any(exc):
             want = {"plain": (0, 0), "compiled": (None, 0), "one-pass": (0, None)}[self.s.mode]
             got = (c["fused"], c["one_pass"])
@@ -143,14 +143,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     half = getattr(torch, args.dtype)
-    if kernel.native is None:
-        raise SystemExit(f"the one-pass step is not built here ({kernel.UNAVAILABLE}); build it with "
+    if onepass.native is None:
+        raise SystemExit(f"the one-pass step is not built here ({onepass.UNAVAILABLE}); build it with "
                          f"`python setup.py build_ext --inplace`")
     rows = [(name, measure(name, args.width, args.blocks, args.reps, half)) for name in OPTIMIZERS]
     n = 3 * (args.width * args.width + args.width)
     check = 2 if args.dtype == "float16" else 0  # the inf/NaN pass reads each half gradient once more
     print(f"O2 {args.dtype} optimizer step, {n / 1e6:.1f} M parameters, {args.threads} thread(s), torch "
-          f"{torch.__version__}, kernel isa {kernel.native.isa()}; copy bandwidth (FP32 copy as large as the "
+          f"{torch.__version__}, kernel isa {onepass.native.isa()}; copy bandwidth (FP32 copy as large as the "
           f"masters, same blocks) {statistics.median(r['copy_bw'] for _, r in rows) / 1e9:.1f} GB/s")
     lines = ["| optimizer | plain ms | compiled ms | one-pass ms | compiled / plain | one-pass / plain | "
              "one-pass / compiled | one-pass GB/s (of copy) |", "|---|---|---|---|---|---|---|---|"]

@@ -4,7 +4,7 @@
 
 O1 keeps the model's FP32 parameters, so its step is the user's optimizer on
 them; where the C extension is built, amp_patch takes it in one call per
-param group (``amp_patch/precision/kernel.py``) instead of torch's few tensor
+param group (``amp_patch/precision/onepass.py``) instead of torch's few tensor
 operations per parameter. Two parameter sets:
 
 - ``tiny MLP``: the suite's ``smallops`` model (50 parameters of 64 to 4096
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import amp_patch
-from amp_patch.precision import kernel
+from amp_patch.precision import onepass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import SmallOps  # noqa: E402
@@ -99,9 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-assert", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    built = kernel.native is not None
+    built = onepass.native is not None
     print(f"torch {torch.__version__}, {args.threads} thread(s), one-pass step "
-          f"{'built (sqrt: ' + kernel.sqrt_mode() + ')' if built else 'not built: ' + kernel.UNAVAILABLE}")
+          f"{'built (sqrt: ' + onepass.sqrt_mode() + ')' if built else 'not built: ' + onepass.UNAVAILABLE}")
     rows, missed = [], []
     for model_name in MODELS:
         for opt_name in OPTIMIZERS:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import amp_patch
-from amp_patch.precision import kernel
+from amp_patch.precision import onepass
 from workloads import MODES, Runner, build
 
 WORKLOADS = ("simplenet", "transformer", "convnet", "smallops")
@@ -22,7 +22,7 @@ WORKLOADS = ("simplenet", "transformer", "convnet", "smallops")
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_step(benchmark, workload, mode):
     wl = build(workload, scale=0.25)
-    native = kernel.native  # O2-plain and O2-fused leave the one-pass step out
+    native = onepass.native  # O2-plain and O2-fused leave the one-pass step out
     runner = Runner(wl, mode, "cpu", torch.bfloat16)
     try:
         runner.step()
@@ -30,4 +30,4 @@ def test_step(benchmark, workload, mode):
         assert torch.isfinite(runner.step())
     finally:
         amp_patch.deinitialize()
-        kernel.native = native
+        onepass.native = native

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch.precision import kernel
+from amp_patch.precision import onepass
 
 
 @dataclasses.dataclass
@@ -270,7 +270,7 @@ class Runner:
             # amp_patch's state is per process: the suite runs each mode in its own.
             level, extra = AMP_MODES[mode]
             if mode in ("O2-plain", "O2-fused"):
-                kernel.native = None  # this worker process only ever runs this mode
+                onepass.native = None  # this worker process only ever runs this mode
             self.model, self.opt = amp_patch.initialize(self.model, self.opt, level, half_dtype=half, verbosity=0, **extra)
 
     def step(self) -> torch.Tensor:

@@ -114,8 +114,8 @@ def _ddp_case(rank, level, half):
         fp8 = sorted(r["layer"] for r in amp_patch.report().to_dict()["fp8"] if r["runs_in"] == "float8")
         return dict(state=_snapshot(model), raw=_raw(model), masters=masters, losses=losses, fp8=fp8,
                     start=start, linear_dtype=str(seen[-1]), counters=amp_patch.counters(),
-                    one_pass_built=amp_patch.precision.kernel.native is not None,
-                    sqrt_mode=amp_patch.precision.kernel.sqrt_mode())
+                    one_pass_built=amp_patch.precision.onepass.native is not None,
+                    sqrt_mode=amp_patch.precision.onepass.sqrt_mode())
     finally:
         amp_patch.deinitialize()
 
@@ -157,7 +157,7 @@ def _inf_case(rank, name):
             scales.append(c["loss_scale"][0])
             skipped.append(c["skipped"])
         return dict(states=states, scales=scales, skipped=skipped, fused=c["optimizers"][0]["fused"],
-                    one_pass=c["optimizers"][0]["one_pass"], one_pass_built=amp_patch.precision.kernel.native is not None)
+                    one_pass=c["optimizers"][0]["one_pass"], one_pass_built=amp_patch.precision.onepass.native is not None)
     finally:
         amp_patch.deinitialize()
 
@@ -231,8 +231,8 @@ def _fsdp_case(rank, half):
             net = DDP(model) if wrap == "ddp" else model
             losses, seen, _ = _train(model, net, opt, rank)
             return dict(state=_full(model), losses=losses, linear_dtype=str(seen[-1]), counters=amp_patch.counters(),
-                        one_pass_built=amp_patch.precision.kernel.native is not None,
-                        sqrt_mode=amp_patch.precision.kernel.sqrt_mode())
+                        one_pass_built=amp_patch.precision.onepass.native is not None,
+                        sqrt_mode=amp_patch.precision.onepass.sqrt_mode())
         finally:
             amp_patch.deinitialize()
 

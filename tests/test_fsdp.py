@@ -254,8 +254,8 @@ def _scenario(rank, name):
                     true_grads=true_grads, before=before, during=during, master_bytes=(mine, whole),
                     state_bytes=(state_mine, state_whole),
                     param_types=sorted({type(p).__name__ for p in amp_patch.master_params(opt)}),
-                    one_pass=c["optimizers"][0]["one_pass"], one_pass_built=amp_patch.precision.kernel.native is not None,
-                    sqrt_mode=amp_patch.precision.kernel.sqrt_mode())
+                    one_pass=c["optimizers"][0]["one_pass"], one_pass_built=amp_patch.precision.onepass.native is not None,
+                    sqrt_mode=amp_patch.precision.onepass.sqrt_mode())
     finally:
         amp_patch.deinitialize()
 

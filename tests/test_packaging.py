@@ -76,7 +76,7 @@ def test_wheel_contains_lists_and_loads_them(tmp_path):
     _pip("install", "--no-deps", "--target", str(site), str(wheel), cwd=tmp_path)
     out = _probe(site, tmp_path)
     assert str(site) in out and "torch.nn.functional.yaml" in out
-    for ext in ("amp_patch/patching/_fastpath", "amp_patch/precision/_fusedstep"):  # both optional C parts
+    for ext in ("amp_patch/patching/_fastpath", "amp_patch/precision/_onepass"):  # both optional C parts
         assert any(n.startswith(ext) and n.endswith((".so", ".pyd")) for n in names) or not HAS_C_COMPILER, ext
     _assert_fast_path_in(out, site)
 
@@ -405,7 +405,7 @@ def test_the_wheel_installed_in_a_fresh_environment_imports_every_module_and_tra
     installed = set(report["modules"])
     assert _checkout_modules() - installed == set(), "the wheel lacks these modules"
     # the wheel holds nothing more than the checkout's modules and the optional C parts
-    assert installed - _checkout_modules() <= {"amp_patch.patching._fastpath", "amp_patch.precision._fusedstep"}
+    assert installed - _checkout_modules() <= {"amp_patch.patching._fastpath", "amp_patch.precision._onepass"}
 
     o1, o2 = report["steps"]["O1"], report["steps"]["O2"]
     assert o1["finite"] and o2["finite"] and o1["moved"] and o2["moved"]

@@ -2,16 +2,15 @@
 
 A slot, not the session itself: the session (``amp_patch.run.session``) is
 built from the subpackages, which ask this slot for it, so it lives at the
-bottom and names the session's type for readers only.
+bottom. Naming the session's type here would point the bottom floor at the
+top one, so the slot holds it as ``Any``; a mechanism's module that looks it
+up reads the state that mechanism keeps on it (``amp.precision``,
+``amp.scaling``, ``amp.diagnostics``) and its settings.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, Optional
-
-if TYPE_CHECKING:
-    from ..diagnostics.report import Report
-    from ..run.session import Session
+from typing import Any, Dict, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,22 +19,23 @@ class Ended:
     ``counters()`` and ``report()`` give after ``deinitialize``."""
 
     counters: Dict[str, object]
-    report: "Report"
+    #: its ``diagnostics.report.Report``, a floor above
+    report: Any
     #: how many torch functions its op lists patched, per policy (empty at O0/O2/O3/O5)
     patched: Dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-_session: Optional["Session"] = None
+_session: Any = None  # a run.session.Session, or None
 _ended: Optional[Ended] = None
 
 
-def session() -> Optional["Session"]:
-    """The running session, or None."""
+def session() -> Any:
+    """The running session (``run.session.Session``), or None."""
     return _session
 
 
-def set_session(s: Optional["Session"]) -> None:
-    """Make ``s`` the running session (None: no session runs)."""
+def set_session(s: Any) -> None:
+    """Make ``s`` (a ``run.session.Session``) the running session (None: no session runs)."""
     global _session
     _session = s
 

@@ -15,7 +15,6 @@ of 1, which leave torch untouched) records nothing here.
 from __future__ import annotations
 
 import collections
-import weakref
 from typing import TYPE_CHECKING, Deque, List, Optional, Tuple
 
 import torch
@@ -24,7 +23,7 @@ from ..base.counts import HostCopies
 from ..patching.wrappers import pop_disabled, push_disabled
 
 if TYPE_CHECKING:
-    from ..run.session import Session
+    from .state import Diagnostics
 
 #: newest entries kept, as the loss scalers keep their history
 HISTORY_LENGTH = 10_000
@@ -100,27 +99,24 @@ class LossLog:
         return list(self._rows)
 
 
-_logs: "weakref.WeakKeyDictionary[Session, LossLog]" = weakref.WeakKeyDictionary()
-
-
-def log_of(amp: "Session") -> LossLog:
-    """The loss log of session ``amp`` (made on first use)."""
-    log = _logs.get(amp)
+def log_of(diag: "Diagnostics") -> LossLog:
+    """The loss log of one session's diagnostics (made on first use)."""
+    log = diag.losses
     if log is None:
-        log = _logs[amp] = LossLog()
+        log = diag.losses = LossLog()
     return log
 
 
-def peek(amp: "Session") -> Optional[LossLog]:
-    """The loss log of ``amp`` if it has recorded anything, else None."""
-    return _logs.get(amp)
+def peek(diag: "Diagnostics") -> Optional[LossLog]:
+    """The loss log of one session's diagnostics if it has recorded anything, else None."""
+    return diag.losses
 
 
-def record_loss(amp: "Session", loss: object, loss_id: int, step: int) -> None:
+def record_loss(diag: "Diagnostics", loss: object, loss_id: int, step: int) -> None:
     """Record the true loss of a backward (called by the backward patch and ``scale_loss``).
 
     Anything but a one-element floating-point tensor (a non-scalar output, an
     integer tensor) is not a loss and is left out.
     """
     if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
-        log_of(amp).add(loss, loss_id, step)
+        log_of(diag).add(loss, loss_id, step)

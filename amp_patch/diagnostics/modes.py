@@ -39,7 +39,8 @@ from ..oplists import NAMESPACES, OPERATOR_FORMS
 if TYPE_CHECKING:
     from types import FrameType
 
-    from ..run.session import Session
+    from ..oplists import Entry
+    from ..patching.registry import Patcher
 
 Observer = Callable[[object, tuple, dict, object], None]
 
@@ -217,13 +218,16 @@ class OpNames:
     in force (or patched by a registration).
     """
 
-    def __init__(self, amp: "Session"):
-        self.amp = amp
+    def __init__(self, patcher: "Patcher", table: Optional[Dict[tuple, "Entry"]]):
+        #: the run's patched attributes: the originals behind its wrappers, and what a registration patched
+        self.patcher = patcher
+        #: ``{(namespace, name): Entry}`` of the op lists in force, or None
+        self.table = table
         self._by_id: Optional[Dict[int, Tuple[Tuple[str, str], ...]]] = None
         self._keep: list = []  # keeps the indexed objects (and so their ids) alive
 
     def _build(self) -> Dict[int, Tuple[Tuple[str, str], ...]]:
-        patcher = self.amp.patcher
+        patcher = self.patcher
         by_id: Dict[int, Tuple[Tuple[str, str], ...]] = {}
         for ns, owner in NAMESPACES.items():
             for name in dir(owner):
@@ -255,8 +259,8 @@ class OpNames:
     def covered(self, names: Tuple[Tuple[str, str], ...]) -> bool:
         """Whether a list covers the op: under one of its names, or, for a Tensor
         method, under the operator that runs it (``a * b`` reaches torch as ``mul``)."""
-        table = self.amp.table or {}
-        patcher = self.amp.patcher
+        table = self.table or {}
+        patcher = self.patcher
         keys = list(names) + [
             (ns, op) for ns, name in names if ns == "torch.Tensor" for op in OPERATOR_FORMS.get(name, ())
         ]

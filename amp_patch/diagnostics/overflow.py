@@ -32,7 +32,7 @@ from .stats import dtype_name
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from ..run.session import Session
+    from .state import Diagnostics
 
 log = logging.getLogger("amp_patch")
 
@@ -187,10 +187,11 @@ class Provenance:
 class _OverflowWatch:
     """The hooks and the mode observer that find the first inf/NaN."""
 
-    def __init__(self, amp: "Session", once: bool):
-        self.amp = amp
+    def __init__(self, diag: "Diagnostics", once: bool):
+        #: the session's diagnostics, which hold this watch: its models, scalers and settings
+        self.diagnostics = diag
         self.once = once
-        self.names = modes.OpNames(amp)
+        self.names = modes.OpNames(diag.patcher, diag.table)
         self.event: Optional[dict] = None
         self.stack: List[Tuple[str, str]] = []  # (module label, class name), innermost last
         self.handles: List["RemovableHandle"] = []
@@ -201,15 +202,16 @@ class _OverflowWatch:
     def _marks(self) -> tuple:
         # The newest history entry of each scaler: it changes with every
         # step, and reading it is O(1) however long the history.
-        return tuple(_last_entry(s) for s in self.amp.scaling.scalers)
+        return tuple(_last_entry(s) for s in self.diagnostics.scalers())
 
     def arm(self) -> None:
         if self.armed:
             return
         self.marks = self._marks()
         self.event = None
-        several = len(self.amp.models) > 1
-        for i, model in enumerate(self.amp.models):
+        models = self.diagnostics.models
+        several = len(models) > 1
+        for i, model in enumerate(models):
             for name, mod in model.named_modules():
                 label = ".".join(x for x in (f"model{i}" if several else "", name) if x) or type(mod).__name__
                 self.handles.append(mod.register_forward_pre_hook(self._enter_hook(label, type(mod).__name__, name == "")))
@@ -323,30 +325,25 @@ class _OverflowWatch:
 
     def provenance(self, loss_id: int, step: Optional[int]) -> Provenance:
         e = self.event or {}
-        return Provenance(loss_id=loss_id, step=step, patching=bool(self.amp.config.patch_torch_functions), **e)
+        return Provenance(loss_id=loss_id, step=step, patching=bool(self.diagnostics.config.patch_torch_functions), **e)
 
 
-_watch: Optional[_OverflowWatch] = None
-
-
-def _release(watch: _OverflowWatch) -> None:
-    global _watch
+def _release(diag: "Diagnostics", watch: _OverflowWatch) -> None:
     watch.disarm()
-    if _watch is watch:
-        _watch = None
+    if diag.watch is watch:
+        diag.watch = None
 
 
-def arm_find_overflow(amp: "Session", once: bool = False) -> None:
+def arm_find_overflow(diag: "Diagnostics", once: bool = False) -> None:
     """Arm overflow provenance: for every step, or (``once``) for the next one.
 
     Called by ``initialize(..., find_overflow=True)``; ``find_overflow()``
     arms it once.
     """
-    global _watch
-    w = _watch if _watch is not None and _watch.amp is amp else None
+    w = diag.watch
     if w is None:
-        w = _watch = _OverflowWatch(amp, once)
-        amp.undo.push(lambda: _release(w))
+        w = diag.watch = _OverflowWatch(diag, once)
+        diag.undo.push(lambda: _release(diag, w))
     elif w.armed and not w.once:
         return  # already armed for every step
     else:
@@ -370,7 +367,7 @@ def _scaler_step(scaler: object) -> Optional[int]:
     return last[0] if last[2] else last[0] + 1
 
 
-def on_skipped_step(amp: "Session", loss_id: int, scaler: object) -> Optional[Provenance]:
+def on_skipped_step(diag: "Diagnostics", loss_id: int, scaler: object) -> Optional[Provenance]:
     """Called by the loss scaler when it skips a step for inf/NaN gradients.
 
     With overflow provenance armed, warns (``AmpWarning``) naming the first
@@ -378,7 +375,7 @@ def on_skipped_step(amp: "Session", loss_id: int, scaler: object) -> Optional[Pr
     and the YAML override that moves the op to FP32, and returns it as a
     ``Provenance``; otherwise returns None.
     """
-    w = _watch if _watch is not None and _watch.amp is amp and _watch.armed else None
+    w = diag.watch if diag.watch is not None and diag.watch.armed else None
     if w is None:
         log.debug("amp_patch: loss %s: step skipped for inf/NaN gradients; amp_patch.find_overflow() names the op", loss_id)
         return None
@@ -392,10 +389,10 @@ def on_skipped_step(amp: "Session", loss_id: int, scaler: object) -> Optional[Pr
     return prov
 
 
-def last_overflow(amp: "Session") -> Optional[Provenance]:
-    """The provenance of the last skipped step found for ``amp``, or None."""
-    w = _watch
-    return w.last if w is not None and w.amp is amp else None
+def last_overflow(diag: "Diagnostics") -> Optional[Provenance]:
+    """The provenance of the last skipped step one session's watch found, or None."""
+    w = diag.watch
+    return w.last if w is not None else None
 
 
 def find_overflow() -> None:
@@ -431,7 +428,7 @@ def find_overflow() -> None:
             "amp_patch.find_overflow() needs a running AMP: call amp_patch.initialize(...) first "
             "(or pass find_overflow=True to it to watch every step)"
         )
-    arm_find_overflow(amp, once=True)
+    arm_find_overflow(amp.diagnostics, once=True)
 
 
 def history_entry(item: Any) -> Optional[Tuple[int, float, bool]]:

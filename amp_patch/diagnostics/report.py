@@ -24,22 +24,23 @@ from .overflow import history_entry, last_overflow
 from .stats import dtype_name
 
 if TYPE_CHECKING:
-    from ..run.session import Session
     from .overflow import Provenance
+    from .state import Diagnostics
 
 POLICY_ORDER = ("half", "float", "promote", "sequence_promote")
 
 History = List[Tuple[int, float, bool]]
 
 
-def _current(what: str) -> "Session":
+def _current(what: str) -> "Diagnostics":
+    """The running session's diagnostics; StateError when none runs."""
     amp = running.session()
     if amp is None:
         raise StateError(
             f"amp_patch.{what}() needs a running AMP: call it after amp_patch.initialize(...) "
             f"and before amp_patch.deinitialize()"
         )
-    return amp
+    return amp.diagnostics
 
 
 
@@ -56,10 +57,10 @@ def read_history(scaler: object) -> Optional[History]:
     return [e for e in map(history_entry, list(raw)) if e is not None]
 
 
-def _scalers(amp: "Session") -> List[Tuple[int, History, Optional[float]]]:
+def _scalers(scalers: Sequence[object]) -> List[Tuple[int, History, Optional[float]]]:
     """``(loss_id, history, current scale or None)`` for every loss scaler."""
     out = []
-    for i, scaler in enumerate(amp.scaling.scalers):
+    for i, scaler in enumerate(scalers):
         loss_id = getattr(scaler, "loss_id", i)
         scale = getattr(scaler, "scale", None)
         scale = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
@@ -357,29 +358,29 @@ def report() -> Report:
     """
     amp = running.session()
     if amp is not None:
-        return report_of(amp)
+        return report_of(amp.diagnostics)
     last = running.last_ended()
     if last is None:
         raise StateError("amp_patch.report() has no run to report on yet: call it after amp_patch.initialize(...)")
     return last.report
 
 
-def report_of(amp: "Session") -> Report:
-    """``report()`` of the session ``amp``."""
-    ledger = amp.ledger.to_dict() if amp.ledger is not None else {}
-    props = amp.config
+def report_of(diag: "Diagnostics") -> Report:
+    """``report()`` of the session whose diagnostics are ``diag``."""
+    ledger = diag.ledger.to_dict() if diag.ledger is not None else {}
+    props = diag.config
     return Report(
         opt_level=props.opt_level,
         half_dtype=dtype_name(props.half_dtype),
-        device=amp.device_type,
-        collecting=amp.ledger is not None,
+        device=diag.device_type,
+        collecting=diag.ledger is not None,
         ledger=ledger,
-        loss_scale=[_scale_summary(*s) for s in _scalers(amp)],
-        overflow=last_overflow(amp),
+        loss_scale=[_scale_summary(*s) for s in _scalers(diag.scalers())],
+        overflow=last_overflow(diag),
         attention=[{k: dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in row.items()}
-                   for row in attention.decisions()] if amp.config.cast_policy == "auto" else [],
-        losses=loss_log.peek(amp),
-        fp8=[row for rec in getattr(amp, "fp8", ()) for row in rec.rows()],
+                   for row in attention.decisions()] if props.cast_policy == "auto" else [],
+        losses=loss_log.peek(diag),
+        fp8=diag.fp8_rows(),
     )
 
 
@@ -397,13 +398,13 @@ def reset_stats() -> None:
         train_one_epoch()
         print(amp_patch.report())  # the second epoch only
     """
-    amp = _current("reset_stats")
-    if amp.ledger is None:
+    diag = _current("reset_stats")
+    if diag.ledger is None:
         raise StateError(
             "amp_patch.reset_stats() has no op ledger to clear: collect_stats is off. "
             "Pass collect_stats=True to amp_patch.initialize to record ops."
         )
-    amp.ledger.reset()
+    diag.ledger.reset()
 
 
 PLOT_EXTRA_HINT = "pip install -e '.[plot]' in a checkout of amp_patch, or pip install matplotlib"

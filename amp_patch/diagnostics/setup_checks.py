@@ -28,7 +28,8 @@ from .stats import dtype_name
 
 if TYPE_CHECKING:
     from ..config import AmpConfig
-    from ..run.session import Session
+    from ..patching.registry import Patcher
+    from .state import Diagnostics
 
 log = logging.getLogger("amp_patch")
 
@@ -216,11 +217,11 @@ def _is_user_module(mod: object, library: Tuple[str, ...]) -> bool:
     return known
 
 
-def captured_functions(amp: "Session") -> List[Tuple[str, str, str]]:
+def captured_functions(patcher: "Patcher") -> List[Tuple[str, str, str]]:
     """``(module, name, op)`` for each user-module global that holds an
-    original torch function the running AMP patched."""
+    original torch function ``patcher`` (the running AMP's) patched."""
     originals = {}
-    for owner, name, original in amp.patcher.originals():
+    for owner, name, original in patcher.originals():
         # functions of modules (torch's namespaces, the clip functions); a class's
         # methods (Tensor's) are looked up at call time and cannot be captured
         if isinstance(owner, types.ModuleType) and callable(original):
@@ -241,9 +242,9 @@ def captured_functions(amp: "Session") -> List[Tuple[str, str, str]]:
     return found
 
 
-def captured_warnings(amp: "Session") -> List[str]:
+def captured_warnings(patcher: "Patcher") -> List[str]:
     out = []
-    for mod, name, op in captured_functions(amp):
+    for mod, name, op in captured_functions(patcher):
         if op.rpartition(".")[2].startswith("clip_grad"):
             what = (
                 "so it clips the loss-scaled gradients of the model, not the true ones of the optimizer. "
@@ -277,23 +278,17 @@ def scripted_warnings(props: AmpConfig, models: Sequence[torch.nn.Module]) -> Li
     return out
 
 
-def _stepped(amp: "Session", optimizers: Sequence[torch.optim.Optimizer]) -> Set[int]:
-    """Ids of the parameters ``optimizers`` step: their own, and the half model
-    parameters their FP32 masters stand in for."""
-    ids = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
-    for h in amp.scaling.by_optimizer.values():
-        if h.masters is not None and any(h.optimizer is opt for opt in optimizers):
-            ids.update(id(p) for p in h.masters.halfs)
-    return ids
-
-
-def warn_at_initialize(amp: "Session", models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def warn_at_initialize(diag: "Diagnostics", models: Sequence[torch.nn.Module],
+                       optimizers: Sequence[torch.optim.Optimizer], stepped: Set[int]) -> None:
     """Warn once about set-ups that run slower or otherwise than intended.
 
     Called by ``initialize`` after everything is in place; each message is
     given once per process (an ``AmpWarning``, filterable with ``warnings``).
+    ``stepped``: the ids of the parameters ``optimizers`` step, their own and
+    the half model parameters their FP32 masters stand in for (loss scaling
+    holds the masters, a floor above: ``run`` reads them).
     """
-    props, device = amp.config, amp.device_type
+    props, device = diag.config, diag.device_type
     gpu_bf16 = device == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     messages = (
         speed_warnings(props, device, cpu_has_native_bf16() if device == "cpu" else True)
@@ -301,9 +296,9 @@ def warn_at_initialize(amp: "Session", models: Sequence[torch.nn.Module], optimi
         + bf16_weights_warnings(props, device, gpu_bf16, models)
         + device_warnings(props, models)
         + optimizer_warnings(props, models, optimizers)
-        + coverage_warnings(props, models, optimizers, _stepped(amp, optimizers))
+        + coverage_warnings(props, models, optimizers, stepped)
         + pure_half_warnings(props, optimizers)
-        + captured_warnings(amp)
+        + captured_warnings(diag.patcher)
         + scripted_warnings(props, models)
     )
     for m in messages:

@@ -38,7 +38,7 @@ from ..oplists.schema import is_inplace
 from ..patching.wrappers import switch
 
 if TYPE_CHECKING:
-    from ..run.session import Session
+    from .state import Diagnostics
 
 f32 = torch.float32
 
@@ -109,6 +109,8 @@ class Ledger:
         self.utilities: Dict[str, List[Any]] = {}  # utility -> [op calls, {qualname: calls}, first site]
         self._here = threading.local()
         self._names: Optional[modes.OpNames] = None
+        #: the diagnostics of the session it watches for (``start``): its settings name the half dtype
+        self._diag: Optional["Diagnostics"] = None
 
     # -- called by the wrappers
     def record(self, qualname: str, policy: str, out: object, ncasts: int, nbytes: int, kept: str = "") -> None:
@@ -150,7 +152,7 @@ class Ledger:
             s.calls += 1
             s.dtypes[dtype] = s.dtypes.get(dtype, 0) + 1
 
-    def start(self, amp: "Session") -> None:
+    def start(self, diag: "Diagnostics") -> None:
         """Start watching for unlisted ops on this thread (idempotent).
 
         ``initialize`` may call it once everything is patched, so the first
@@ -160,10 +162,11 @@ class Ledger:
         with self._lock:
             first = self._names is None
             if first:
-                self._names = modes.OpNames(amp)
+                self._names = modes.OpNames(diag.patcher, diag.table)
+                self._diag = diag
         if first:
             modes.add(self._observe)
-            amp.undo.push(self.stop)
+            diag.undo.push(self.stop)
         else:
             modes.ensure_here()
         self._here.watching = True
@@ -173,7 +176,7 @@ class Ledger:
         # this) once the AMP state is current.
         amp = running.session()
         if amp is not None:
-            self.start(amp)
+            self.start(amp.diagnostics)
 
     def stop(self) -> None:
         """Stop watching unlisted ops (run at ``deinitialize``)."""
@@ -189,7 +192,7 @@ class Ledger:
         name = names[0][1]
         if name in DATA_MOVEMENT or is_inplace(name) or out._is_view():
             return
-        half = self._names.amp.config.half_dtype
+        half = self._diag.config.half_dtype
         if not (needs_cast(args, half) or needs_cast(kwargs, half)):
             return
         frame, utility = modes.caller_and_utility()

@@ -139,7 +139,7 @@ class _Follower:
             raise StopRun()
         value = None
         if amp is not None:
-            log = losses.peek(amp)
+            log = losses.peek(amp.diagnostics)
             if log is not None and log.count != self._seen_log.get(id(log), 0):
                 self._seen_log[id(log)] = log.count
                 value = log.last()  # the true loss amp_patch recorded for this backward
@@ -151,7 +151,7 @@ class _Follower:
 
     def collect_provenance(self) -> None:
         amp = running.session()
-        prov = last_overflow(amp) if amp is not None else None
+        prov = last_overflow(amp.diagnostics) if amp is not None else None
         if prov is None and amp is None and running.last_ended() is not None:
             prov = running.last_ended().report.overflow
         if prov is not None and prov is not self._last_prov:

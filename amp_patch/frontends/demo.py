@@ -55,7 +55,7 @@ from ..diagnostics import AmpWarning, setup_checks
 from ..diagnostics.stats import dtype_name
 from ..base.errors import ConfigError
 from ..scaling.checkpoint import counters
-from ..precision import kernel
+from ..precision import onepass
 from .compare import SuggestingParser
 
 if TYPE_CHECKING:
@@ -438,7 +438,7 @@ def _step_kind(mode: str, warmup: int, timed: int) -> str:
         counted = f" ({step_counts(warmup, timed)})" if total == warmup + timed + 1 else ""
         return (f"{mode}'s optimizer step (the default, no option): one pass in C per parameter for {one} of "
                 f"its {total} steps{counted}")
-    if kernel.native is None:
+    if onepass.native is None:
         return f"{mode}'s optimizer step: the plain step (the one-pass C step is not built here)"
     return f"{mode}'s optimizer step: the plain step (this optimizer is not one the one-pass step covers)"
 

@@ -462,7 +462,7 @@ class Launch:
                     model = owning_model(optimizer)
                 except ConfigError:
                     return  # no single model: nothing to cast the outputs of
-                model_side.cast_outputs(amp, model)
+                model_side.cast_outputs(amp.precision, model)
             return
         model = owning_model(optimizer)
         if self.amp is not None and self.amp.holds(model):

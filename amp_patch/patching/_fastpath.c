@@ -26,11 +26,28 @@
    (wrappers.py), which decides exactly as before. The layout of wrapt's
    object is not assumed: the extra fields sit after the base type's
    tp_basicsize, read at type creation.
+
+   What an op does is its spec.OpSpec, built once in Python and handed to the
+   constructor; the module imports nothing of amp_patch: wrappers.py calls
+   bind() once with the switches read on every call and the field names of the
+   tuples read here by position, which bind() checks against the enums below.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 #include <stddef.h>
+
+/* spec.OpSpec's fields, by position */
+enum spec_field { SPEC_CASTABLE, SPEC_TO, SPEC_CONVERT, SPEC_WEIGHTS, SPEC_LIVE, SPEC_MODE, SPEC_MIN_FLOPS, SPEC_FLOPS,
+                  SPEC_READ };
+static const char *spec_names[SPEC_READ] = {"castable", "to", "convert", "weights", "live", "mode", "min_flops", "flops"};
+/* cast.CacheEntry's fields, by position */
+enum entry_field { ENTRY_TENSOR, ENTRY_TO, ENTRY_VERSION, ENTRY_DATA_PTR, ENTRY_COPY, ENTRY_SIZE };
+static const char *entry_names[ENTRY_SIZE] = {"tensor", "to", "version", "data_ptr", "copy"};
+/* spec.OpSpec.mode */
+enum mode { MODE_FIXED, MODE_PROMOTE, MODE_NATIVE };
+/* costs.FLOPS's codes: how a call's FLOPs follow from its arguments */
+enum flops_kind { FLOPS_NONE, FLOPS_LINEAR, FLOPS_MM, FLOPS_ADDMM, FLOPS_CONV };
 
 typedef struct {
     vectorcallfunc vectorcall; /* fast_call once initialized, NULL before and after clear */
@@ -42,11 +59,11 @@ typedef struct {
     PyObject *cache_maps;      /* CastCache._maps: ({id: entry} without grad, with grad) */
     PyObject *cache_counts;    /* CastCache.counts: [hits, misses] */
     PyObject *live;            /* the session's Live flag object (.on) */
-    int promote;               /* 0: cast to `to`; 1: a mix of castable dtypes goes to
-                                  the Python wrapper; 2: never cast (native promotion) */
+    int promote;               /* enum mode: FIXED casts to `to`; PROMOTE hands a mix of castable
+                                  dtypes to the Python wrapper; NATIVE never casts */
     double min_flops;          /* cast_policy="auto": a call under this many FLOPs is not cast
                                   to half (0: every call is); see patching/costs.py */
-    int flops_kind;            /* how its FLOPs follow from the shapes: costs.C_KINDS */
+    int flops_kind;            /* enum flops_kind: how its FLOPs follow from the shapes */
 } Fast;
 
 static Py_ssize_t fast_offset;      /* where Fast starts inside the object */
@@ -55,8 +72,8 @@ static initproc base_init;          /* wrapt._FunctionWrapperBase's, takes the b
 static int wrapt_heap;              /* wrapt >= 2.2 builds heap types, which visit and
                                        release the object's type themselves */
 static PyTypeObject *tensor_type;   /* torch.Tensor */
-static PyObject *disabled;          /* wrappers.disabled: {thread: depth} */
-static PyObject *python_only;       /* wrappers.python_only: non-empty = Python only */
+static PyObject *disabled;          /* wrappers.disabled: {thread: depth}; set by bind() */
+static PyObject *python_only;       /* wrappers.python_only: non-empty = Python only; set by bind() */
 static PyObject *grad_enabled;      /* torch._C.is_grad_enabled */
 static PyObject *one;               /* the int 1 */
 static PyObject *str_dtype, *str_on, *str_requires_grad, *str_is_leaf, *str_staticmethod, *str_version, *str_data_ptr;
@@ -173,18 +190,18 @@ cache_hit(Fast *f, PyObject *a)
     entry = PyDict_GetItemWithError(PyTuple_GET_ITEM(f->cache_maps, grad == Py_True), key);
     Py_DECREF(grad);
     Py_DECREF(key);
-    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 ||
-        PyTuple_GET_ITEM(entry, 0) != a || PyTuple_GET_ITEM(entry, 1) != f->to)
+    if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != ENTRY_SIZE ||
+        PyTuple_GET_ITEM(entry, ENTRY_TENSOR) != a || PyTuple_GET_ITEM(entry, ENTRY_TO) != f->to)
         return NULL;
     Py_INCREF(entry); /* the reads below may run Python code that drops it */
-    same = equals(a, str_version, 0, PyTuple_GET_ITEM(entry, 2));
+    same = equals(a, str_version, 0, PyTuple_GET_ITEM(entry, ENTRY_VERSION));
     if (same > 0)
-        same = equals(a, str_data_ptr, 1, PyTuple_GET_ITEM(entry, 3));
+        same = equals(a, str_data_ptr, 1, PyTuple_GET_ITEM(entry, ENTRY_DATA_PTR));
     if (same > 0) {
         hits = PyNumber_Add(PyList_GET_ITEM(f->cache_counts, 0), one);
         if (hits != NULL) {
             PyList_SetItem(f->cache_counts, 0, hits); /* steals hits */
-            copy = PyTuple_GET_ITEM(entry, 4);
+            copy = PyTuple_GET_ITEM(entry, ENTRY_COPY);
             Py_INCREF(copy);
         }
     }
@@ -328,7 +345,7 @@ small_call(Fast *f, PyObject *const *args, Py_ssize_t n)
 {
     long long d0[8], d1[8];
     double n0, n1, flops;
-    int first = f->flops_kind == 3 ? 1 : 0, nd0, nd1;
+    int first = f->flops_kind == FLOPS_ADDMM ? 1 : 0, nd0, nd1;
     Py_ssize_t i;
     if (n < first + 2)
         return 0;
@@ -341,18 +358,18 @@ small_call(Fast *f, PyObject *const *args, Py_ssize_t n)
     if (nd0 < 0 || nd1 < 0)
         return 0;
     switch (f->flops_kind) {
-    case 1: /* linear(x, w): 2 * x.numel() * out_features */
+    case FLOPS_LINEAR: /* linear(x, w): 2 * x.numel() * out_features */
         if (nd1 < 1)
             return 0;
         flops = 2.0 * n0 * (double)(nd1 > 1 ? d1[0] : 1);
         break;
-    case 2: /* mm(a, b) and the like: 2 * a.numel() * b.shape[-1] */
-    case 3: /* addmm(c, a, b) */
+    case FLOPS_MM: /* mm(a, b) and the like: 2 * a.numel() * b.shape[-1] */
+    case FLOPS_ADDMM: /* addmm(c, a, b) */
         if (nd0 < 1 || nd1 < 1)
             return 0;
         flops = 2.0 * n0 * (double)(nd1 > 1 ? d1[nd1 - 1] : 1);
         break;
-    case 4: /* conv(x, w): 2 * x.numel() / in_channels * w.numel() */
+    case FLOPS_CONV: /* conv(x, w): 2 * x.numel() / in_channels * w.numel() */
         if (nd0 < 2 || nd1 < 2 || d0[1] == 0)
             return 0;
         flops = 2.0 * n0 / (double)d0[1] * n1;
@@ -388,7 +405,7 @@ fast_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwname
         return NULL;
     if (!on)
         return general(self, args, n, kwnames);
-    if (f->promote == 2)
+    if (f->promote == MODE_NATIVE)
         return PyObject_Vectorcall(f->original, args, nargsf, NULL);
     r = plan(f, args, n);
     if (r == 0)
@@ -410,24 +427,41 @@ fast_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwname
     return general(self, args, n, kwnames);
 }
 
-/* (wrapped, wrapper, castable, to, convert, cache, live, promote 0/1/2[, min_flops, flops_kind]): the wrapt
-   wrapper is set up as wrappers.OpWrapper sets it up, with the "staticmethod"
-   binding; cache is a _cast.CastCache, or None for no cache. */
+/* (wrapped, wrapper, spec): spec is a spec.OpSpec; the wrapt wrapper is set up
+   as wrappers.OpWrapper sets it up, with the "staticmethod" binding. */
 static int
 fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *wrapped, *wrapper, *castable, *to, *convert, *cache, *live, *base_args;
+    PyObject *wrapped, *wrapper, *spec, *castable, *cache, *mode, *kind, *base_args;
     PyObject *cache_cast = Py_None, *cache_maps = Py_None, *cache_counts = Py_None;
-    int promote, flops_kind = 0, result = -1;
-    double min_flops = 0.0;
+    int result = -1;
+    double min_flops;
     Fast *f = FAST(self);
 
     if (kwargs && PyDict_GET_SIZE(kwargs)) {
         PyErr_SetString(PyExc_TypeError, "takes positional arguments only");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OOO!OOOOi|di", &wrapped, &wrapper, &PyTuple_Type, &castable, &to,
-                          &convert, &cache, &live, &promote, &min_flops, &flops_kind))
+    if (disabled == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "amp_patch.patching._fastpath is not bound (wrappers.py binds it)");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OOO!", &wrapped, &wrapper, &PyTuple_Type, &spec))
+        return -1;
+    if (PyTuple_GET_SIZE(spec) < SPEC_READ) {
+        PyErr_SetString(PyExc_TypeError, "spec is not an amp_patch.patching.spec.OpSpec");
+        return -1;
+    }
+    castable = PyTuple_GET_ITEM(spec, SPEC_CASTABLE);
+    cache = PyTuple_GET_ITEM(spec, SPEC_WEIGHTS);
+    mode = PyTuple_GET_ITEM(spec, SPEC_MODE);
+    kind = PyTuple_GET_ITEM(spec, SPEC_FLOPS);
+    if (!PyTuple_Check(castable) || !PyLong_Check(mode) || !PyLong_Check(kind)) {
+        PyErr_SetString(PyExc_TypeError, "spec is not an amp_patch.patching.spec.OpSpec");
+        return -1;
+    }
+    min_flops = PyFloat_AsDouble(PyTuple_GET_ITEM(spec, SPEC_MIN_FLOPS));
+    if (min_flops == -1.0 && PyErr_Occurred())
         return -1;
     if (cache != Py_None) {
         cache_cast = PyObject_GetAttrString(cache, "cast");
@@ -438,7 +472,7 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
         if (!(PyTuple_CheckExact(cache_maps) && PyTuple_GET_SIZE(cache_maps) == 2 &&
               PyDict_CheckExact(PyTuple_GET_ITEM(cache_maps, 0)) && PyDict_CheckExact(PyTuple_GET_ITEM(cache_maps, 1)) &&
               PyList_CheckExact(cache_counts) && PyList_GET_SIZE(cache_counts) == 2)) {
-            PyErr_SetString(PyExc_TypeError, "cache is not an amp_patch.patching.cast.CastCache");
+            PyErr_SetString(PyExc_TypeError, "spec.weights is not an amp_patch.patching.cast.CastCache");
             goto finally;
         }
     }
@@ -452,16 +486,16 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
 #define SET(field, value) do { Py_INCREF(value); Py_XSETREF(f->field, value); } while (0)
     SET(original, wrapped);
     SET(castable, castable);
-    SET(to, to);
-    SET(convert, convert);
+    SET(to, PyTuple_GET_ITEM(spec, SPEC_TO));
+    SET(convert, PyTuple_GET_ITEM(spec, SPEC_CONVERT));
     SET(cache_cast, cache_cast);
     SET(cache_maps, cache_maps);
     SET(cache_counts, cache_counts);
-    SET(live, live);
+    SET(live, PyTuple_GET_ITEM(spec, SPEC_LIVE));
 #undef SET
-    f->promote = promote;
+    f->promote = (int)PyLong_AsLong(mode);
     f->min_flops = min_flops;
-    f->flops_kind = flops_kind;
+    f->flops_kind = (int)PyLong_AsLong(kind);
     f->vectorcall = fast_call;
 finally:
     /* what getattr returned; the fields hold their own references */
@@ -583,9 +617,56 @@ make_type(const char *name, PyObject *base, int method)
     return type;
 }
 
+/* 1 when the tuple of str `names` is exactly `expected`, else 0 with an ImportError naming `what` */
+static int
+same_names(PyObject *names, const char **expected, Py_ssize_t n, const char *what)
+{
+    Py_ssize_t i;
+    if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) < n)
+        goto differ;
+    for (i = 0; i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        if (!PyUnicode_Check(name) || PyUnicode_CompareWithASCIIString(name, expected[i]) != 0)
+            goto differ;
+    }
+    return 1;
+differ:
+    PyErr_Format(PyExc_ImportError, "%s's fields are not the ones _fastpath.c reads by position; rebuild the C fast path", what);
+    return 0;
+}
+
+/* bind(disabled, python_only, OpSpec._fields, CacheEntry._fields): the two dicts read on
+   every call, and the layouts read by position, checked here once */
+static PyObject *
+fast_bind(PyObject *module, PyObject *args)
+{
+    PyObject *off, *only, *spec_fields, *entry_fields;
+    if (!PyArg_ParseTuple(args, "O!O!OO", &PyDict_Type, &off, &PyDict_Type, &only, &spec_fields, &entry_fields))
+        return NULL;
+    if (!same_names(spec_fields, spec_names, SPEC_READ, "spec.OpSpec") ||
+        !same_names(entry_fields, entry_names, ENTRY_SIZE, "cast.CacheEntry"))
+        return NULL;
+    if (!PyDict_CheckExact(off) || !PyDict_CheckExact(only)) {
+        PyErr_SetString(PyExc_TypeError, "disabled and python_only must be plain dicts");
+        return NULL;
+    }
+    Py_INCREF(off);
+    Py_XSETREF(disabled, off);
+    Py_INCREF(only);
+    Py_XSETREF(python_only, only);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef fastpath_methods[] = {
+    {"bind", fast_bind, METH_VARARGS,
+     "bind(disabled, python_only, spec_fields, entry_fields): the switches every call reads, and a check of "
+     "the layouts read by position. Called once by amp_patch.patching.wrappers."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef fastpath_module = {
     PyModuleDef_HEAD_INIT, "amp_patch.patching._fastpath",
-    "The no-cast check of a patched op, in C (see wrappers.py).", -1, NULL,
+    "The no-cast check of a patched op, in C (see wrappers.py).", -1, fastpath_methods,
 };
 
 static PyObject *
@@ -622,13 +703,11 @@ PyInit__fastpath(void)
         return NULL;
     tensor_type = (PyTypeObject *)import_attr("torch", "Tensor");
     float32 = import_attr("torch", "float32");
-    disabled = import_attr("amp_patch.patching.wrappers", "disabled");
-    python_only = import_attr("amp_patch.patching.wrappers", "python_only");
     function_wrapper = import_attr("wrapt", "FunctionWrapper");
-    if (!tensor_type || !float32 || !disabled || !python_only || !function_wrapper)
+    if (!tensor_type || !float32 || !function_wrapper)
         goto fail;
-    if (!PyType_Check(tensor_type) || !PyDict_CheckExact(disabled) || !PyDict_CheckExact(python_only) || !PyType_Check(function_wrapper)) {
-        PyErr_SetString(PyExc_ImportError, "unexpected torch.Tensor, wrapt or amp_patch.patching.wrappers");
+    if (!PyType_Check(tensor_type) || !PyType_Check(function_wrapper)) {
+        PyErr_SetString(PyExc_ImportError, "unexpected torch.Tensor or wrapt");
         goto fail;
     }
     /* with wrapt's pure-Python fallback there is no C object to extend */

@@ -29,7 +29,7 @@ from __future__ import annotations
 __amp_patch_frame__ = "machinery"  # frames.py: the op call itself, never its caller
 
 import copy
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import torch
 
@@ -46,6 +46,20 @@ _CACHEABLE = frozenset((Tensor, torch.nn.Parameter))
 #: Taken from the C base class, which amp_patch never patches.
 CONVERT = {f16: torch._C.TensorBase.half, bf16: torch._C.TensorBase.bfloat16, f32: torch._C.TensorBase.float}
 _grad_enabled = torch._C.is_grad_enabled
+
+
+class CacheEntry(NamedTuple):
+    """One weight's cached copy, under ``id(tensor)`` in ``CastCache``'s map of
+    its grad mode. It serves a cast while ``tensor`` is the same object, cast to
+    the same dtype, and its version counter and data pointer are unchanged. The
+    C fast path (``_fastpath.c``, ``cache_hit``) checks a hit by the same rule,
+    reading these fields by position (checked at ``bind``)."""
+
+    tensor: Tensor
+    to: torch.dtype
+    version: int
+    data_ptr: int
+    copy: Tensor
 
 
 class CastCache:
@@ -86,11 +100,11 @@ class CastCache:
         # load_state_dict); the data pointer catches `param.data = ...`;
         # requires_grad catches a weight frozen since.
         if (
-            entry is not None and entry[0] is t and entry[1] is to and entry[2] == t._version
-            and entry[3] == t.data_ptr() and t.requires_grad
+            entry is not None and entry.tensor is t and entry.to is to and entry.version == t._version
+            and entry.data_ptr == t.data_ptr() and t.requires_grad
         ):
             self.counts[0] += 1
-            return entry[4]
+            return entry.copy
         out = CONVERT[to](t)
         # Only leaves that require grad are cached, as autocast does: their
         # cast is the expensive, repeated one, and they are not views of
@@ -99,7 +113,7 @@ class CastCache:
         # FunctionalTensors torch.compile traces with have no storage to key on.
         if t.requires_grad and t.is_leaf and type(t) in _CACHEABLE:
             self.counts[1] += 1
-            entries[id(t)] = (t, to, t._version, t.data_ptr(), out)
+            entries[id(t)] = CacheEntry(t, to, t._version, t.data_ptr(), out)
         return out
 
 

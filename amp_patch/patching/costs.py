@@ -45,66 +45,65 @@ def _mm(a: object, b: object) -> Optional[float]:
     return None
 
 
-def _linear(args: tuple) -> Optional[float]:
-    x, w = args[0], args[1] if len(args) > 1 else None
-    if isinstance(x, Tensor) and isinstance(w, Tensor) and w.dim():
-        return 2.0 * x.numel() * (w.shape[0] if w.dim() > 1 else 1)
-    return None
+#: how a sized op's FLOPs follow from its positional arguments; the C fast path
+#: (``_fastpath.c``, ``small_call``) switches on the same codes, in the same
+#: double arithmetic, and ``tests/patching/test_fastpath.py`` holds the two equal
+LINEAR, MM, ADDMM, CONV = 1, 2, 3, 4
 
 
-def _conv(args: tuple) -> Optional[float]:
-    x, w = args[0], args[1] if len(args) > 1 else None
-    if isinstance(x, Tensor) and isinstance(w, Tensor) and x.dim() > 1 and w.dim() > 1:
+def flops(kind: int, args: tuple) -> Optional[float]:
+    """The FLOPs of a call of an op counted by ``kind`` (``FLOPS``), None when
+    its arguments do not give them."""
+    if kind == ADDMM:  # addmm(bias, a, b), baddbmm(input, a, b)
+        return _mm(args[1], args[2]) if len(args) > 2 else None
+    if len(args) < 2:
+        return None
+    if kind == MM:
+        return _mm(args[0], args[1])
+    x, w = args[0], args[1]
+    if not (isinstance(x, Tensor) and isinstance(w, Tensor)):
+        return None
+    if kind == LINEAR:  # linear(x, w): 2 * x.numel() * out_features
+        return 2.0 * x.numel() * (w.shape[0] if w.dim() > 1 else 1) if w.dim() else None
+    if kind == CONV and x.dim() > 1 and w.dim() > 1 and x.shape[1]:
         # stride 1: every input position meets every weight of its group
-        return 2.0 * x.numel() / x.shape[1] * w.numel() if x.shape[1] else None
+        return 2.0 * x.numel() / x.shape[1] * w.numel()
     return None
 
 
-def _two(args: tuple) -> Optional[float]:
-    return _mm(args[0], args[1]) if len(args) > 1 else None
-
-
-def _three(args: tuple) -> Optional[float]:  # addmm(bias, a, b), baddbmm(input, a, b)
-    return _mm(args[1], args[2]) if len(args) > 2 else None
-
-
-#: half-list ops whose FLOPs the positional arguments give
-FLOPS: Dict[str, Callable[[tuple], Optional[float]]] = {
-    "torch.nn.functional.linear": _linear,
-    **{f"torch.nn.functional.conv{d}d": _conv for d in (1, 2, 3)},
-    **{f"torch.conv{d}d": _conv for d in (1, 2, 3)},
-    **{f"torch.{n}": _two for n in ("mm", "matmul", "bmm")},
-    **{f"torch.Tensor.{n}": _two for n in ("mm", "matmul", "bmm", "__matmul__")},
-    **{f"torch.{n}": _three for n in ("addmm", "baddbmm", "addbmm")},
-    **{f"torch.Tensor.{n}": _three for n in ("addmm", "baddbmm", "addbmm")},
+#: half-list ops whose FLOPs the positional arguments give, and how
+FLOPS: Dict[str, int] = {
+    "torch.nn.functional.linear": LINEAR,
+    **{f"torch.nn.functional.conv{d}d": CONV for d in (1, 2, 3)},
+    **{f"torch.conv{d}d": CONV for d in (1, 2, 3)},
+    **{f"torch.{n}": MM for n in ("mm", "matmul", "bmm")},
+    **{f"torch.Tensor.{n}": MM for n in ("mm", "matmul", "bmm", "__matmul__")},
+    **{f"torch.{n}": ADDMM for n in ("addmm", "baddbmm", "addbmm")},
+    **{f"torch.Tensor.{n}": ADDMM for n in ("addmm", "baddbmm", "addbmm")},
 }
-
-
-#: the C fast path's code for each way of counting (``_fastpath.c``, small_call)
-C_KINDS = {_linear: 1, _two: 2, _three: 3, _conv: 4}
 
 
 class Auto:
     """The planner of a half-list op under ``cast_policy="auto"``: the half
     planner's answer, except that a call under ``min_flops`` runs in FP32."""
 
-    __slots__ = ("plan", "flops", "min_flops", "qualname")
+    __slots__ = ("plan", "kind", "min_flops", "qualname")
 
     def __init__(self, plan: Callable, qualname: str, min_flops: float):
-        self.plan, self.flops, self.min_flops, self.qualname = plan, FLOPS[qualname], min_flops, qualname
+        self.plan, self.kind, self.min_flops, self.qualname = plan, FLOPS[qualname], min_flops, qualname
 
     def small(self, args: tuple, kwargs: Optional[dict]) -> Optional[float]:
         """The call's FLOPs when it is under the threshold, else None."""
         if kwargs and "out" in kwargs:
             return None
-        n = self.flops(args)
+        n = flops(self.kind, args)
         return n if n is not None and n < self.min_flops else None
 
     def __call__(self, args: tuple, kwargs: Optional[dict]) -> Optional[torch.dtype]:
         to = self.plan(args, kwargs)
         if to is None or (kwargs and "out" in kwargs):
             return to
-        n = self.flops(args)
+        n = flops(self.kind, args)
         if n is None or n >= self.min_flops:
             return to
         return _kept_fp32(args)

@@ -44,9 +44,8 @@ import logging
 import os
 import sys
 from threading import get_ident
-from types import MethodType, ModuleType
-from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple
+from types import CodeType, FrameType, MethodType, ModuleType
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
 import wrapt
@@ -54,11 +53,9 @@ import wrapt
 from ..base import frames
 from ..oplists.schema import is_inplace
 from . import attention, costs
-from .cast import CASTABLE, CONVERT, LOW, CastCache, cast, cast_args, needs_cast
+from .spec import NATIVE, Casting, OpSpec, op_spec
+from .cast import CASTABLE, LOW, CacheEntry, cast, cast_args, needs_cast
 from ..base.errors import BannedOpError, CastError
-
-if TYPE_CHECKING:
-    from ..diagnostics.stats import Ledger
 
 f32 = torch.float32
 Tensor = torch.Tensor
@@ -101,7 +98,7 @@ def op_on_stack(frame: Optional[FrameType]) -> Tuple[bool, object]:
     op), ``(False, None)`` when none is. Walks frames: for rare calls only."""
     f = frame
     while f is not None:
-        if f.f_globals is _GLOBALS and "wrapped" in f.f_code.co_varnames:
+        if f.f_code in _WRAPPER_CODES:
             return True, f.f_locals.get("wrapped")
         f = f.f_back
     return False, None
@@ -355,12 +352,8 @@ def make_wrapper(
     original: Callable[..., Any],
     *,
     method: bool,
-    half: torch.dtype,
-    cache: Optional[CastCache],
-    ledger: Optional["Ledger"] = None,
+    casting: Casting,
     fix: str = "",
-    live: Live = ALWAYS,
-    min_flops: float = 0.0,
 ) -> wrapt.FunctionWrapper:
     """Build the wrapt wrapper that applies ``policy`` to ``original``.
 
@@ -370,22 +363,22 @@ def make_wrapper(
         qualname: the op's public name, e.g. ``torch.nn.functional.linear``.
         original: the unwrapped callable (unbound for Tensor methods).
         method: True for a ``torch.Tensor`` attribute (the receiver is cast too).
-        half: the low-precision dtype of this run.
-        cache: the weight-cast cache, or None.
-        ledger: the op ledger when stats are collected; None costs nothing.
+        casting: the session's build inputs (``spec.Casting``): its half dtype,
+            weight-cast cache, ``Live`` flag (the wrapper calls straight through
+            once it is off), op ledger (None costs nothing) and, under
+            ``cast_policy="auto"``, the FLOP threshold under which a ``half`` op
+            of ``costs.FLOPS`` runs in FP32 (and attention where its half kernel
+            is slower here, ``costs.auto_plan``).
         fix: for ``banned``, what to use instead.
-        live: the session's ``Live`` flag; the wrapper calls straight
-            through once it is off.
-        min_flops: ``cast_policy="auto"``: a ``half`` op of ``costs.FLOPS``
-            runs in FP32 on a call under this many FLOPs, and attention where
-            its half kernel is slower here (``costs.auto_plan``); 0: neither.
     """
     kind = MethodWrapper if method else OpWrapper
+    half, cache, ledger, live = casting.half, casting.cache, casting.ledger, casting.live
     if policy == "banned":
         return kind(original, _banned(qualname, half, fix, live))
     name = qualname.rpartition(".")[2]
     plan = make_planner(policy, half, qualname)
     inplace_at = None if is_inplace(name) else _inplace_parameter(original)
+    min_flops = casting.min_flops
     auto = costs.auto_plan(plan, qualname, original, half, min_flops) if min_flops and policy == "half" else None
     if auto is not None:
         plan = auto
@@ -401,32 +394,19 @@ def make_wrapper(
         fn = _instrumented(qualname, policy, plan, cache, ledger, live)
     elif qualname in CONDITIONS:
         fn = _general(plan, cache, live)
+    elif auto is not None and not sized:  # attention: one call is milliseconds of work, no C path needed
+        return kind(original, _general(plan, cache, live))
     else:
+        # One frozen spec, read by the Python wrapper below and by the C fast path
+        spec = op_spec(policy, qualname, casting, native=policy not in ("half", "float") and qualname in NATIVE_PROMOTE,
+                       sized=sized)
         general = _general(plan, cache, live)
-        promote = policy not in ("half", "float")
-        native = promote and qualname in NATIVE_PROMOTE
-        to = f32 if policy != "half" else half
-        if native:
-            fn = _call_through
-        elif sized:  # cast_policy="auto": the planner decides on every call the C path hands it
-            fn = general
-        elif auto is not None:  # attention: one call is milliseconds of work, no C path needed
-            return kind(original, general)
-        elif promote:
-            fn = _promote(original, general, cache, live)
-        else:
-            fn = _fixed(original, to, general, cache, live)
+        fn = _call_through if spec.mode == NATIVE else _positional(original, plan, general, spec)
         if fast and not (policy == "half" and qualname in UNDER_CPU_AUTOCAST):
             # The same decisions with the common call's check in C (_fastpath.c);
             # any other call still reaches ``fn`` through wrapt.
             kind = fast.FastMethodWrapper if method else fast.FastOpWrapper
-            castable = tuple(CASTABLE if promote else CASTABLE - {to})
-            weights = cache if cache is not None and to is not f32 else None  # the cache keeps half copies
-            mode = 2 if native else 1 if promote else 0
-            if sized:  # the C path keeps a small call in FP32 itself (costs.Auto's decision)
-                return kind(original, fn, castable, to, CONVERT[to], weights, live, mode, min_flops,
-                            costs.C_KINDS[costs.FLOPS[qualname]])
-            return kind(original, fn, castable, to, CONVERT[to], weights, live, mode)
+            return kind(original, fn, spec)
     if policy == "half" and qualname in UNDER_CPU_AUTOCAST and half is torch.bfloat16:
         fn = _under_cpu_autocast(fn, half, live, ledger, qualname)
     return kind(original, fn)
@@ -437,10 +417,9 @@ def make_wrapper(
 # attribute, where ``wrapped`` is the bound function; the receiver of a Tensor
 # method is ``args[0]`` (see MethodWrapper).
 #
-# The fast wrappers (_fixed, _promote) serve the common call: positional
-# arguments only, casting on, the session live, not bound. They scan flat
-# arguments inline and call the original without an empty ``**kwargs``; any
-# other call goes to the general wrapper, unchanged.
+# The op's decision is its planner's (``make_planner``), written once in Python;
+# ``_positional`` serves the common call with it, and the C fast path decides
+# the same call from the same ``OpSpec``.
 
 
 def _inplace_parameter(original) -> Optional[int]:
@@ -469,47 +448,20 @@ def _keyword_inplace(inner, at):
     return wrapper
 
 
-def _fixed(original, to, general, cache, live):
-    castable = CASTABLE - {to}
+def _positional(original, plan, general, spec):
+    """The common call (positional arguments only, casting on, the session live,
+    not bound) decided by the op's planner and made without an empty
+    ``**kwargs``; any other call goes to ``general``. Where the C fast path is
+    built it makes this call itself, from the same ``spec``."""
+    cache, live = spec.weights, spec.live
 
     def wrapper(wrapped, instance, args, kwargs):
         if kwargs or disabled or instance is not None or not live.on:
             return general(wrapped, instance, args, kwargs)
-        for a in args:
-            if isinstance(a, Tensor):
-                if a.dtype in castable:
-                    break
-            elif isinstance(a, (list, tuple, dict)) and needs_cast(a, to):
-                break
-        else:
+        to = plan(args, None)
+        if to is None:
             return original(*args)
         return original(*cast_args(args, to, cache))
-
-    return wrapper
-
-
-def _promote(original, general, cache, live):
-    def wrapper(wrapped, instance, args, kwargs):
-        if kwargs or disabled or instance is not None or not live.on:
-            return general(wrapped, instance, args, kwargs)
-        seen = None
-        for a in args:
-            if isinstance(a, Tensor):
-                dt = a.dtype
-                if dt in CASTABLE:
-                    if seen is None:
-                        seen = dt
-                    elif dt is not seen:
-                        break
-            elif isinstance(a, (list, tuple, dict)):
-                seen = _scan(a, seen)
-                if seen is _MIXED:
-                    break
-        else:
-            return original(*args)
-        # a mix runs in torch's promoted dtype: a 0-dim FP32 tensor does not
-        # make a dimensioned half tensor FP32
-        return original(*cast_args(args, _promote_target(args), cache))
 
     return wrapper
 
@@ -700,9 +652,10 @@ class NoFastPath:
 
 
 # The C fast path (built from _fastpath.c when a compiler was there at install;
-# AMP_PATCH_PURE_PYTHON=1 turns it off, to compare or to debug). Imported last:
-# it reads ``disabled`` and ``python_only`` from this module. ``print(fast)``
-# says which is in use; code asks ``if fast:``.
+# AMP_PATCH_PURE_PYTHON=1 turns it off, to compare or to debug). It imports no
+# amp_patch module: ``bind`` hands it the two switches it reads on every call
+# (``disabled``, ``python_only``) and the layouts it reads by position, which it
+# checks. ``print(fast)`` says which is in use; code asks ``if fast:``.
 FAST_UNAVAILABLE = ""
 fast: Any
 if os.environ.get("AMP_PATCH_PURE_PYTHON", "") not in ("", "0"):
@@ -711,6 +664,7 @@ else:
     try:
         from . import _fastpath as fast
 
+        fast.bind(disabled, python_only, OpSpec._fields, CacheEntry._fields)
         fast.__class__ = _FastPathModule
     except ImportError as exc:  # no compiler at install, or wrapt without its C extension
         FAST_UNAVAILABLE = str(exc)
@@ -722,3 +676,20 @@ if FAST_UNAVAILABLE:
 
 
 _GLOBALS = globals()  # identifies this module's frames (the wrappers) on a stack
+
+
+def _wrapper_codes() -> frozenset:
+    """The code of every casting wrapper (wrapt's signature: its ``wrapped`` is the
+    op), each factory's inner ``wrapper`` and ``_call_through``: ``op_on_stack``
+    knows a wrapper's frame by its code."""
+    factories = (_keyword_inplace, _positional, _under_cpu_autocast, _general, attention_wrapper, _inplace, _banned,
+                 _instrumented)
+    codes = {_call_through.__code__}
+    for factory in factories:
+        codes.update(c for c in factory.__code__.co_consts if isinstance(c, CodeType) and c.co_name == "wrapper")
+    if len(codes) != len(factories) + 1:  # each factory makes exactly one wrapper
+        raise ImportError("amp_patch.patching.wrappers: a wrapper factory's inner function is not named 'wrapper'")
+    return frozenset(codes)
+
+
+_WRAPPER_CODES = _wrapper_codes()

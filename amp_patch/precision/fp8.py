@@ -68,7 +68,7 @@ from . import model as model_side
 
 if TYPE_CHECKING:
     from ..diagnostics.stats import Ledger
-    from ..run.session import Session
+    from .conversions import Conversions
 
 log = logging.getLogger("amp_patch")
 
@@ -510,10 +510,12 @@ def _parent(model: nn.Module, name: str) -> Tuple[nn.Module, str]:
     return (model.get_submodule(head) if head else model), leaf
 
 
-def attach(amp: "Session", models: Sequence[nn.Module], config: AmpConfig) -> None:
+def attach(conv: "Conversions", models: Sequence[nn.Module], config: AmpConfig,
+           ledger: Optional["Ledger"] = None) -> None:
     """At O6/O7, swap each model's selected ``nn.Linear`` layers for torchao's
     ``Float8Linear`` (after the O5 conversion made them BF16), each change
-    pushing its undo onto ``amp.undo`` as it is made."""
+    pushing its undo onto ``conv.undo`` as it is made. With a ``ledger``
+    (``collect_stats=True``) each FP8 layer's calls are counted there."""
     if not config.fp8_level:
         return
     tao = torchao(config.opt_level)
@@ -521,10 +523,10 @@ def attach(amp: "Session", models: Sequence[nn.Module], config: AmpConfig) -> No
     settings = recipe_config(config.fp8_recipe)
     inductor = False
     for m in models:
-        index = len(amp.fp8)
+        index = len(conv.fp8)
         rec = Fp8Model(m, index, config.fp8_recipe, select(m, config, index))
-        amp.extend(amp.fp8, [rec])
-        amp.undo.push(_Unswap(rec))
+        conv.add_fp8(rec)
+        conv.undo.push(_Unswap(rec))
         names = [c.name for c in rec.choices if c.fp8]
         originals = {}
         for name in names:
@@ -535,7 +537,7 @@ def attach(amp: "Session", models: Sequence[nn.Module], config: AmpConfig) -> No
         if not names:
             continue
         if not inductor:
-            amp.undo.push(_InductorPatch())  # before the conversion that patches it
+            conv.undo.push(_InductorPatch())  # before the conversion that patches it
             inductor = True
         tao.convert_to_float8_training(
             m, config=settings, module_filter_fn=lambda mod, fqn: originals.get(fqn) is mod)
@@ -545,11 +547,11 @@ def attach(amp: "Session", models: Sequence[nn.Module], config: AmpConfig) -> No
                 raise RuntimeError(f"torchao did not convert {name!r} as asked (it holds a {type(new).__name__})")
             rec.own[name] = _graft(orig, new)
             rec.layers[name] = new
-            if amp.ledger is not None:
-                counter = Fp8Calls(amp.ledger, f"{name if index == 0 else f'model{index}.{name}'} (Float8Linear)")
+            if ledger is not None:
+                counter = Fp8Calls(ledger, f"{name if index == 0 else f'model{index}.{name}'} (Float8Linear)")
                 rec.counters[name] = counter
                 rec.handles.append(new.register_forward_hook(counter))
-        if amp.config.verbosity:
+        if conv.config.verbosity:
             log.info("amp_patch: %d of %d nn.Linear layers of %s compute in FP8 (%s)", len(names), len(rec.choices),
                      type(m).__name__, config.fp8_recipe)
 

@@ -25,7 +25,7 @@ runs neither hook and leaves the state as it was; a step whose update takes the
 skip verdict on the device changes nothing either, since decoding and
 encoding again gives back the same values (``encode`` of a decoded tensor is
 exact: its scale is a power of two). Because of the hooks the one-pass C step
-(``amp_patch.precision.kernel``) stands aside at O7 and torch's step runs.
+(``amp_patch.precision.onepass``) stands aside at O7 and torch's step runs.
 
 **Checkpoints.** ``optimizer.state_dict()`` holds the moments decoded, as FP32
 tensors, which any Adam loads (the checkpoint of an O6 run, or of a plain
@@ -43,7 +43,7 @@ from ..base.errors import ConfigError
 from ..config import AmpConfig
 
 if TYPE_CHECKING:
-    from ..run.session import Session
+    from ..base.undo import Owned
 
 Tensor = torch.Tensor
 f32 = torch.float32
@@ -207,11 +207,11 @@ def validate(optimizers: Sequence[torch.optim.Optimizer], config: AmpConfig) -> 
         )
 
 
-def attach(amp: "Session", optimizers: Sequence[torch.optim.Optimizer], config: AmpConfig) -> None:
-    """At O7, keep each optimizer's moments in FP8/BF16, pushing the undo as it is made."""
+def attach(undo: "Owned", optimizers: Sequence[torch.optim.Optimizer], config: AmpConfig) -> None:
+    """At O7, keep each optimizer's moments in FP8/BF16, pushing the undo onto ``undo`` as it is made."""
     if config.fp8_level < 2:
         return
     for opt in optimizers:
         codec = LowPrecisionState(opt)
-        amp.undo.push(codec)  # before the first change: a failure half way is undone too
+        undo.push(codec)  # before the first change: a failure half way is undone too
         codec.start()

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 import torch
 
 from ..patching.cast import LOW
-from . import kernel, writes
+from . import onepass, writes
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from ..run.session import Session
+    from .conversions import Conversions
 
 Tensor = torch.Tensor
 f32 = torch.float32
@@ -52,6 +52,61 @@ def _state_to(state: Dict[str, Any], dtype: torch.dtype) -> Dict[str, Any]:
             v = v.to(dtype)
         out[k] = v
     return out
+
+
+class GradSum:
+    """Where this step's gradient sum is, for the masters of one optimizer: the
+    one state machine their gradients go through between two steps.
+
+    Three facts, moved only by the three events below (nothing else writes them):
+
+    - ``partial``: the masters' FP32 gradients hold part of this step's sum, so
+      the next backward adds to them (gradient accumulation in FP32);
+    - ``in_model``: under ``torch.distributed`` the model's half gradients hold
+      the running (scaled) sum DDP's all-reduce reads, and each backward copies it
+      whole into the masters, so nothing is added there;
+    - ``zeroed``: the last ``zero_grad`` kept zeroed gradients (``set_to_none=False``):
+      a master its next backward does not reach steps on zeros, as an FP32
+      parameter would, instead of being skipped.
+
+    ============================  ===========  ==========  ==================
+    event                         partial      in_model    zeroed
+    ============================  ===========  ==========  ==================
+    start                         False        False       False
+    ``backward()``                True         (kept)      (kept)
+    ``backward(keep_half=True)``  False        True        (kept)
+    ``zero_grad(set_to_none)``    False        (kept)      not set_to_none
+    ``step()`` (taken or skipped) False        False       False
+    ============================  ===========  ==========  ==================
+
+    ``step`` answers whether the model still held the half sum, which the step then
+    drops. Under one process ``backward`` always has the same ``keep_half``.
+    """
+
+    __slots__ = ("partial", "in_model", "zeroed")
+
+    def __init__(self) -> None:
+        self.partial = self.in_model = self.zeroed = False
+
+    def backward(self, keep_half: bool) -> None:
+        """A backward's gradients reached the masters (``collect_grads``)."""
+        if keep_half:
+            self.partial, self.in_model = False, True  # the masters copy the model's whole sum each time
+        else:
+            self.partial = True
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The optimizer's ``zero_grad``: a new sum starts."""
+        self.partial = False
+        self.zeroed = not set_to_none
+
+    def step(self) -> bool:
+        """A step used up the sum: the next backward starts a new one even if only
+        ``model.zero_grad()`` (which cannot reach the masters) ran, and an earlier
+        ``zero_grad`` no longer counts. True when the model held the half sum."""
+        held = self.in_model
+        self.partial = self.in_model = self.zeroed = False
+        return held
 
 
 class MasterWeights:
@@ -78,17 +133,11 @@ class MasterWeights:
         self.grads: List[Optional[Tensor]] = []
         self.dtypes: List[torch.dtype] = []  # each half parameter's dtype before initialize
         self.index: Dict[int, int] = {}  # id(half or master) -> i
-        #: the masters' gradients already hold part of this step's sum
-        self.holds_partial_sum = False
-        #: the optimizer's last zero_grad kept zeroed gradients (set_to_none=False)
-        #: since the last step: a master its backward does not reach then steps on
-        #: zeros, as an FP32 parameter would, instead of being skipped
-        self.zeroed = False
+        #: where this step's gradient sum is (the masters', the model's, zeroed buffers)
+        self.sum = GradSum()
         #: each master's version counter when it was last copied into the half model: a write
         #: through a ``state_dict()`` view or ``master_params`` reaches the model (``sync_written``)
         self.versions: List[int] = []
-        #: the half gradients stay in the model as DDP's running sum (``collect_grads(keep_half=True)``)
-        self.kept_half = False
         #: (inverse scale, address of the FP32 inf/NaN flag or 0) while a backward moves each half
         #: gradient into its master as autograd finishes it (``arm``); None otherwise
         self.armed: Optional[Tuple[Union[float, Tensor], int]] = None
@@ -174,7 +223,7 @@ class MasterWeights:
         """Whether a backward can move each half gradient into its master as it arrives:
         the one-pass C routine is built and the masters are on the CPU (a single process;
         the caller checks that)."""
-        return (not self.model_grads and kernel.native is not None and bool(self.masters)
+        return (not self.model_grads and onepass.native is not None and bool(self.masters)
                 and self.masters[0].device.type == "cpu")
 
     def arm(self, inv: Union[float, Tensor], found: int) -> None:
@@ -206,22 +255,22 @@ class MasterWeights:
         g = half.grad
         # what the C routine takes, of the half's dtype, and no other hook of this
         # parameter still wants to see it
-        if g is None or g.dtype is not half.dtype or not kernel.absorbable(g) or len(half._post_accumulate_grad_hooks) != 1:
+        if g is None or g.dtype is not half.dtype or not onepass.absorbable(g) or len(half._post_accumulate_grad_hooks) != 1:
             return
         m = self.masters[i]
         # Only into memory that exists already: a buffer allocated here would be taken
         # while the backward's activations are still alive, raising the peak by more than
         # the half gradient frees. Buffers zero_grad released are made at the backward's end.
-        if i in self.absorbed or self.holds_partial_sum:
-            dst, mode = m.grad, kernel.ADD
+        if i in self.absorbed or self.sum.partial:
+            dst, mode = m.grad, onepass.ADD
             if dst is None:
-                dst, mode = self.grads[i], kernel.ZERO_ADD  # as adding into a zeroed buffer
+                dst, mode = self.grads[i], onepass.ZERO_ADD  # as adding into a zeroed buffer
         else:
-            dst, mode = self.grads[i], kernel.WRITE
-        if dst is None or dst.dtype is not f32 or not kernel.dense(dst, m.numel()):
+            dst, mode = self.grads[i], onepass.WRITE
+        if dst is None or dst.dtype is not f32 or not onepass.dense(dst, m.numel()):
             return  # no buffer yet, or a gradient user code put there: collect_grads takes it
-        kernel.absorb([(dst, g, mode)], *self.armed)  # type: ignore[misc]
-        if mode != kernel.ADD:
+        onepass.absorb([(dst, g, mode)], *self.armed)  # type: ignore[misc]
+        if mode != onepass.ADD:
             m.grad = dst
         half.grad = None
         self.absorbed.add(i)
@@ -246,12 +295,11 @@ class MasterWeights:
         if not idx and not absorbed:
             return
         if keep_half:
-            self.holds_partial_sum = False  # the masters copy the model's whole sum each time
-            self.kept_half = True
+            self.sum.backward(keep_half=True)
         sparse = {i for i in idx if halfs[i].grad.is_sparse}
         if sparse:
             idx = [i for i in idx if i not in sparse]
-        if not self.holds_partial_sum:
+        if not self.sum.partial:
             fresh = [i for i in idx if i not in absorbed] if absorbed else idx
             if fresh:
                 bufs = [self._buffer(i) for i in fresh]
@@ -266,7 +314,7 @@ class MasterWeights:
                         m.grad = self.grads[i]
                 elif mirrors[i] is not None:
                     pass  # the master holds what the model's .grad shows
-                elif not self.zeroed:
+                elif not self.sum.zeroed:
                     # a master whose half got no gradient this step must not step on
                     # the last step's (model.zero_grad() cannot reach the masters)
                     m.grad = None
@@ -289,7 +337,7 @@ class MasterWeights:
             if self.model_grads:
                 self.mirror()  # the scaled sum comes back before the next backward (rescale_model_grads)
             return
-        self.holds_partial_sum = True
+        self.sum.backward(keep_half=False)
         if self.model_grads:
             self.mirror()
             return
@@ -302,7 +350,7 @@ class MasterWeights:
         """Copy (and unscale and check) the half gradients of ``idx`` into ``bufs`` in one
         C pass, instead of a copy and then an unscale. False, with nothing done, where the
         C routine cannot take them all (not built, CUDA, an odd layout)."""
-        if kernel.native is None:
+        if onepass.native is None:
             return False
         if unscale is None:
             inv, found = 1.0, 0
@@ -311,10 +359,10 @@ class MasterWeights:
             if cpu_args is None:
                 return False
             inv, found = cpu_args()
-        moves = [(b, self.halfs[i].grad, kernel.WRITE) for i, b in zip(idx, bufs)]
-        if not all(kernel.absorbable(g) and kernel.dense(b, g.numel()) for b, g, _ in moves):
+        moves = [(b, self.halfs[i].grad, onepass.WRITE) for i, b in zip(idx, bufs)]
+        if not all(onepass.absorbable(g) and onepass.dense(b, g.numel()) for b, g, _ in moves):
             return False
-        kernel.absorb(moves, inv, found)
+        onepass.absorb(moves, inv, found)
         return True
 
     # ------------------------------------------------------------ the model's view of the gradients
@@ -429,7 +477,7 @@ class MasterWeights:
             if unscale is not None:
                 unscale([g])
             m = self.masters[i]
-            m.grad = g if not self.holds_partial_sum or m.grad is None else (m.grad + g).coalesce()
+            m.grad = g if not self.sum.partial or m.grad is None else (m.grad + g).coalesce()
 
     def _buffer(self, i: int) -> Tensor:
         buf = self.grads[i]
@@ -471,16 +519,12 @@ class MasterWeights:
         self.note_halfs()
 
     def consumed(self) -> None:
-        """A step (taken or skipped) used up the masters' gradients: the next
-        backward starts a new sum even if only ``model.zero_grad()`` (which
-        cannot reach the masters) ran, and an earlier zero_grad no longer counts."""
-        self.holds_partial_sum = False
-        self.zeroed = False
+        """A step (taken or skipped) used up the masters' gradients (``GradSum.step``);
+        the half sum DDP kept in the model goes with it."""
         self.absorbed.clear()
-        if self.kept_half:
+        if self.sum.step():
             for h in self.halfs:
                 h.grad = None
-            self.kept_half = False
 
     def zero_model_grads(self, set_to_none: bool) -> None:
         """Clear the half parameters' gradients (the optimizer clears the masters').
@@ -507,9 +551,8 @@ class MasterWeights:
                         self.masters[i].grad = self._buffer(i).zero_()
                     if self.model_grads:
                         self.mirrors[i] = (g, g._version)
-        self.holds_partial_sum = False
         self.absorbed.clear()
-        self.zeroed = not set_to_none
+        self.sum.zero_grad(set_to_none)
         if set_to_none and self.masters:
             # The FP32 gradient buffers go with the gradients, so they are not held
             # through the next backward beside its activations (the peak); at the
@@ -572,9 +615,9 @@ class MasterWeights:
         self.touched.clear()
 
 
-def lookup(amp: Optional["Session"], param: Tensor) -> Optional[Tensor]:
-    """The FP32 master of a model parameter in the running AMP state, or None."""
-    return None if amp is None else amp.scaling.master_of(param)
+def lookup(conv: Optional["Conversions"], param: Tensor) -> Optional[Tensor]:
+    """The FP32 master of a model parameter in the running session's ``conv``, or None."""
+    return None if conv is None else conv.master_of(param)
 
 
 def params_of(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:

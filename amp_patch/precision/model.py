@@ -12,8 +12,9 @@ outputs (FP32 by default), a ``state_dict`` hook writes FP32 values (the masters
 where they exist) and a ``load_state_dict`` pre-hook loads FP32 values into the
 masters. The hooks are small module-level classes, so ``copy.deepcopy``,
 pickling, ``nn.DataParallel``, DDP and ``torch.compile`` see an ordinary module.
-The checkpoint hooks find the masters through the running AMP state at call
-time, so a deep copy (which has no masters) saves its own half values.
+The checkpoint hooks find the masters through the running session's
+``Conversions`` at call time, so a deep copy (which has no masters) saves its
+own half values.
 """
 from __future__ import annotations
 
@@ -28,17 +29,17 @@ import torch
 from torch import nn
 
 from . import copies
-from ..base import running
 from ..base.errors import ConfigError, StateError
 from ..config import AmpConfig
 from ..patching.cast import CASTABLE, LOW, cast, needs_cast
 from . import compat, fsdp, master
+from .conversions import Conversions, current
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
+    from ..base.undo import Owned
     from ..config.config import KeepFP32
-    from ..run.session import Session
 
 log = logging.getLogger("amp_patch")
 
@@ -117,16 +118,16 @@ class SaveFP32:
         self.save_dtype = save_dtype
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-        amp = running.session()
+        conv = current()
         to = self.save_dtype
         for name, p in module._parameters.items():
             key = prefix + name
             if p is None or key not in state_dict:
                 continue
-            m = master.lookup(amp, p)
+            m = master.lookup(conv, p)
             value = state_dict[key]
             if m is not None:
-                _masters_of(amp, m).take_model_writes()  # a write to the half model since the step counts
+                conv.masters_holding(m).take_model_writes()  # a write to the half model since the step counts
                 if to == f32:
                     # a view of the master, as plain torch returns a view of the
                     # parameter: a write into it reaches the half model too
@@ -137,35 +138,27 @@ class SaveFP32:
                 exact = _exact_value(p)  # a frozen parameter: its value from before the cast
                 if exact is not None and exact.dtype == to:
                     state_dict[key] = exact.detach()  # a view, as plain torch's: a write reaches the half model
-                    _hand_out(amp, id(p))
+                    _hand_out(conv, id(p))
                 else:
                     state_dict[key] = value.detach().to(to)
         for name, b in module._buffers.items():
             key = prefix + name
             if b is not None and key in state_dict and b.dtype in LOW and b.dtype != to:
-                exact = _exact_buffer(amp, module, name, b)
+                exact = _exact_buffer(conv, module, name, b)
                 if exact is not None and exact.dtype == to:
                     state_dict[key] = exact
-                    _hand_out(amp, (id(module), name))
+                    _hand_out(conv, (id(module), name))
                 else:
                     state_dict[key] = state_dict[key].detach().to(to)
 
 
-def _hand_out(amp: "Session", key: Union[int, Tuple[int, str]]) -> None:
+def _hand_out(conv: Conversions, key: Union[int, Tuple[int, str]]) -> None:
     """Check the pre-cast value under ``key`` for writes before each forward from now on."""
-    for rec in amp.model_records:
+    for rec in conv.records:
         e = rec.exact.get(key)
         if e is not None:
             rec.handed_out[key] = e
             return
-
-
-def _masters_of(amp: "Session", m: Tensor) -> master.MasterWeights:
-    for h in amp.scaling.by_optimizer.values():
-        mw = h.masters
-        if mw is not None and mw.is_master(m):
-            return mw
-    raise LookupError("master without its MasterWeights")
 
 
 class SyncWritten:
@@ -187,23 +180,21 @@ class SyncWritten:
             # forward leaves the writes to the next eager forward or step, which
             # copies every master into the model
             return
-        amp = running.session()
-        if amp is None:
+        conv = current()
+        if conv is None:
             return
         probe = self.probe
         if probe is not None and probe.dtype is not self.dtype:
             raise StateError(
                 f"{type(module).__name__}'s parameters are {probe.dtype} now, but amp_patch converted the model to "
-                f"{self.dtype} at opt_level={amp.config.opt_level!r} and keeps FP32 master weights for it; "
+                f"{self.dtype} at opt_level={conv.config.opt_level!r} and keeps FP32 master weights for it; "
                 f"model.float(), .half() or .to(dtype) after initialize breaks that. To evaluate or export in FP32, "
                 f"use a copy (copy.deepcopy(model) is a plain FP32 model) or call amp_patch.deinitialize() first; "
                 f"for another half dtype, deinitialize and initialize again with half_dtype=..."
             )
-        for h in amp.scaling.by_optimizer.values():
-            mw = h.masters
-            if mw is not None:
-                mw.sync_written()
-        for rec in amp.model_records:
+        for mw in conv.masters():
+            mw.sync_written()
+        for rec in conv.records:
             for e in rec.handed_out.values():
                 e.sync()
 
@@ -238,11 +229,11 @@ class LateShard:
         self.pending.discard(id(module))
         if not self.pending:
             self.handle.remove()
-        amp = running.session()
-        if amp is not None and fsdp.sharded(module):
+        conv = current()
+        if conv is not None and fsdp.sharded(module):
             raise StateError(
                 f"{type(module).__name__} was sharded by fully_shard after amp_patch.initialize converted it at "
-                f"opt_level={amp.config.opt_level!r}: FSDP took over the half parameters whose FP32 masters the "
+                f"opt_level={conv.config.opt_level!r}: FSDP took over the half parameters whose FP32 masters the "
                 f"optimizer steps. The order that works: {fsdp.ORDER}; amp_patch then gives FSDP the policies "
                 f"O2 means, FSDP's FP32 shards being the masters. (amp_patch.deinitialize() first, to start over.)"
             )
@@ -262,19 +253,19 @@ class LoadIntoMasters:
     """
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *rest: object) -> None:
-        amp = running.session()
-        if amp is None:
+        conv = current()
+        if conv is None:
             return
         pairs = []
         for name, p in module._parameters.items():
-            m = master.lookup(amp, p) if p is not None else None
+            m = master.lookup(conv, p) if p is not None else None
             if m is not None and prefix + name in state_dict:
                 pairs.append((m, state_dict[prefix + name]))
             elif p is not None and prefix + name in state_dict:
-                _keep_loaded(amp, id(p), state_dict[prefix + name])
+                _keep_loaded(conv, id(p), state_dict[prefix + name])
         for name, b in module._buffers.items():
             if b is not None and prefix + name in state_dict:
-                _keep_loaded(amp, (id(module), name), state_dict[prefix + name])
+                _keep_loaded(conv, (id(module), name), state_dict[prefix + name])
         if not pairs:
             return
         if local_metadata.get("assign_to_params_buffers", False):
@@ -289,11 +280,11 @@ class LoadIntoMasters:
                     m.copy_(value)
 
 
-def _keep_loaded(amp: "Session", key: Union[int, Tuple[int, str]], value: object) -> None:
+def _keep_loaded(conv: Conversions, key: Union[int, Tuple[int, str]], value: object) -> None:
     """A checkpoint value loaded into a converted tensor with no master (O3, a
     frozen parameter, a buffer) becomes its exact value, so a ``state_dict()``
     right after the load gives back what was loaded, not its half rounding."""
-    for rec in amp.model_records:
+    for rec in conv.records:
         e = rec.exact.get(key)
         if e is None:
             continue
@@ -500,12 +491,12 @@ def _convert(rec: "Conversion", dtype: torch.dtype, out_dtype: torch.dtype, keep
     dtypes.update({(id(mod), name): d for mod, name, d in rec.buffers})
     rec.copyable = True
     copies.install(model, copies.Plan(_exact_value, dtypes, _HOOK_TYPES,
-                                      lambda mod, name, b: _exact_buffer(running.session(), mod, name, b)))
+                                      lambda mod, name, b: _exact_buffer(current(), mod, name, b)))
     if rec.params:
         copies.install_save_pretrained(model, rec.params[0][1])
 
 
-def _convert_sharded(amp: "Session", rec: "Conversion", dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool,
+def _convert_sharded(undo: "Owned", rec: "Conversion", dtype: torch.dtype, out_dtype: torch.dtype, keep_bn: bool,
                      keep: Optional[Filter], save_dtype: torch.dtype) -> None:
     """O2/O5 on a ``fully_shard``-ed model (``fsdp``): its parameters stay FSDP's FP32
     shards, the masters the optimizer steps, and FSDP is given the policies that
@@ -535,7 +526,7 @@ def _convert_sharded(amp: "Session", rec: "Conversion", dtype: torch.dtype, out_
                 changed = True
         if changed:
             _checkpoint_hooks(mod, save_dtype, rec)
-    amp.undo.push(fsdp.apply(model, dtype, fsdp.kept_inside(model, kept_ids)))
+    undo.push(fsdp.apply(model, dtype, fsdp.kept_inside(model, kept_ids)))
     # the parameters a forward sees are FSDP's gathered ones, in their unit's dtype: no probe
     rec.handles.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
     rec.handles.append(model.register_forward_hook(CastOutputs(out_dtype)))
@@ -545,22 +536,22 @@ def _exact_value(param: Tensor) -> Optional[Tensor]:
     """The exact value from before the cast of a converted parameter: its
     master's where an optimizer holds one, else the value kept at conversion
     while the half parameter has not changed since."""
-    amp = running.session()
-    m = master.lookup(amp, param)
-    if m is not None or amp is None:
+    conv = current()
+    m = master.lookup(conv, param)
+    if m is not None or conv is None:
         return m
-    for rec in amp.model_records:
+    for rec in conv.records:
         e = rec.exact.get(id(param))
         if e is not None and e.half is param:
             return e.value()
     return None
 
 
-def _exact_buffer(amp: Optional["Session"], module: nn.Module, name: str, buf: Tensor) -> Optional[Tensor]:
+def _exact_buffer(conv: Optional[Conversions], module: nn.Module, name: str, buf: Tensor) -> Optional[Tensor]:
     """A converted buffer's value from before the cast, while the half one has not changed since."""
-    if amp is None:
+    if conv is None:
         return None
-    for rec in amp.model_records:
+    for rec in conv.records:
         e = rec.exact.get((id(module), name))
         if e is not None and e.half is buf:
             return e.value()
@@ -617,16 +608,16 @@ def _hook_only(model: nn.Module, save_dtype: torch.dtype) -> Conversion:
     return rec
 
 
-def cast_outputs(amp: "Session", model: nn.Module) -> None:
+def cast_outputs(conv: Conversions, model: nn.Module) -> None:
     """At O1/O4 (the model keeps its dtypes): cast ``model``'s floating outputs
     to ``cast_model_outputs`` (Apex's option), undone with the run. A model
     whose outputs are cast already is left as it is."""
-    if any(rec.model is model for rec in amp.model_records):
+    if any(rec.model is model for rec in conv.records):
         return
     rec = Conversion(model)
-    rec.handles.append(model.register_forward_hook(CastOutputs(amp.config.cast_model_outputs)))
-    amp.model_records.append(rec)
-    amp.undo.push(_Unconvert(rec))
+    rec.handles.append(model.register_forward_hook(CastOutputs(conv.config.cast_model_outputs)))
+    conv.records.append(rec)
+    conv.undo.push(_Unconvert(rec))
 
 
 class _Unconvert:
@@ -662,13 +653,13 @@ class _Unconvert:
             mod.flatten_parameters()
 
 
-def attach(amp: "Session", models: Sequence[nn.Module], config: AmpConfig) -> Dict[int, tuple]:
+def attach(conv: Conversions, models: Sequence[nn.Module], config: AmpConfig) -> Dict[int, tuple]:
     """Convert ``models`` with this call's ``config`` (its ``keep_fp32``, ``save_dtype``).
 
     Returns ``{id(parameter): (FP32 data, FP32 grad, dtype)}`` from before the
     cast, on which the masters are built (``optimizers.attach``).
 
-    Each change pushes its undo onto ``amp.undo`` as it is made, so a failure
+    Each change pushes its undo onto ``conv.undo`` as it is made, so a failure
     half way, or ``deinitialize``, restores the models.
     """
     originals: Dict[int, tuple] = {}
@@ -681,23 +672,23 @@ def attach(amp: "Session", models: Sequence[nn.Module], config: AmpConfig) -> Di
         for m in models:
             rec = Conversion(m)
             # registered before the first change, so a failure half way is undone too
-            amp.model_records.append(rec)
-            amp.undo.push(_Unconvert(rec))
+            conv.records.append(rec)
+            conv.undo.push(_Unconvert(rec))
             if fsdp.sharded(m):
-                _convert_sharded(amp, rec, dtype, out_dtype, keep_bn, keep, save_dtype)
+                _convert_sharded(conv.undo, rec, dtype, out_dtype, keep_bn, keep, save_dtype)
             else:
                 _convert(rec, dtype, out_dtype, keep_bn, keep, save_dtype, originals)
         plain = [m for m in models if not fsdp.sharded(m)]
         if plain and config.master_weights and "torch.distributed.fsdp" in sys.modules:
             late = LateShard(plain)
-            amp.undo.push(late.undo)
+            conv.undo.push(late.undo)
     elif config.master_weights:
         save_dtype = config.save_dtype
         for m in models:
             rec = _hook_only(m, save_dtype)
-            amp.model_records.append(rec)
-            amp.undo.push(_Unconvert(rec))
+            conv.records.append(rec)
+            conv.undo.push(_Unconvert(rec))
     if dtype is None and config.cast_model_outputs is not None:
         for m in models:
-            cast_outputs(amp, m)
+            cast_outputs(conv, m)
     return originals

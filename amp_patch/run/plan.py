@@ -21,7 +21,7 @@ import functools
 import importlib
 import itertools
 import logging
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -30,7 +30,6 @@ from ..base import running
 from ..base.errors import ConfigError
 from ..config import AmpConfig, parse
 from ..diagnostics.report import report_of
-from ..diagnostics.stats import Ledger
 from ..oplists import NAMESPACES
 from ..patching import costs, rnn
 from ..patching.registry import PatchItem
@@ -212,7 +211,9 @@ class Plan:
             _apex_rule(plan, joins)
         model_side.validate(plan.models, config)
         fp8.validate(plan.models, config)
-        optimizers_side.validate(plan.models, plan.optimizers, config, plan.joins, replacing=prov)
+        optimizers_side.validate(plan.models, plan.optimizers, config,
+                                 plan.joins.precision if plan.joins is not None else None,
+                                 replacing=prov.precision if prov is not None else None)
         if plan.joins is not None and not apex_rules:
             _strict_rule(plan, plan.joins)
         return plan
@@ -245,11 +246,11 @@ class Plan:
                     items = function_items(amp, self.registrations)
                     if items:
                         amp.patch(items)
-            originals = model_side.attach(amp, self.models, self.config)
-            fp8.attach(amp, self.models, self.config)
-            built = optimizers_side.attach(amp, self.models, self.optimizers, originals, self.config)
+            originals = model_side.attach(amp.precision, self.models, self.config)
+            fp8.attach(amp.precision, self.models, self.config, amp.ledger)
+            built = optimizers_side.attach(amp.precision, self.models, self.optimizers, originals, self.config)
             flight.watch(amp, self.models)
-            optimizer_scaling.attach(amp, self.optimizers, built)
+            optimizer_scaling.attach(amp.scaling, amp.undo, self.optimizers, built)
             optimizer_scaling.attach_wrappers(self.wrappers, amp.undo)
             amp.extend(amp.models, self.models)
             amp.extend(amp.optimizers, self.optimizers)
@@ -258,15 +259,16 @@ class Plan:
                 if items:
                     amp.patch(items)
                 if amp.config.patch_torch_functions and amp.ledger is not None:
-                    amp.ledger.start(amp)
+                    amp.ledger.start(amp.diagnostics)
                 if amp.config.find_overflow:
-                    diagnostics.arm_find_overflow(amp)
+                    diagnostics.arm_find_overflow(amp.diagnostics)
         except BaseException:
             self.rollback(mark, fresh)
             raise
         if fresh and amp.config.verbosity:
             log.info("amp_patch: initialized %s with %s", amp.config.opt_level, amp.config.half_dtype)
-            diagnostics.warn_at_initialize(amp, self.models, self.optimizers)
+            diagnostics.warn_at_initialize(amp.diagnostics, self.models, self.optimizers,
+                                           _stepped(amp.scaling, self.optimizers))
         return self.given.returned()
 
     def rollback(self, mark: int, fresh: bool) -> None:
@@ -283,11 +285,19 @@ class Plan:
     def _new_session(self) -> Session:
         config = self.config
         amp = Session(config, self.table, self.device)
-        if config.collect_stats:
-            amp.ledger = Ledger()
         if config.cast_policy == "auto" and config.patch_torch_functions:
-            amp.min_flops = costs.threshold(config.half_dtype, amp.device_type, torch.get_num_threads())
+            amp.casting.min_flops = costs.threshold(config.half_dtype, amp.device_type, torch.get_num_threads())
         return amp
+
+
+def _stepped(scaling: scaling_state.LossScaling, optimizers: Sequence[torch.optim.Optimizer]) -> Set[int]:
+    """Ids of the parameters ``optimizers`` step: their own, and the half model
+    parameters their FP32 masters stand in for (``diagnostics.warn_at_initialize``)."""
+    ids = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    for h in scaling.by_optimizer.values():
+        if h.masters is not None and any(h.optimizer is opt for opt in optimizers):
+            ids.update(id(p) for p in h.masters.halfs)
+    return ids
 
 
 def _check_models(models: Sequence[torch.nn.Module], config: AmpConfig) -> None:
@@ -374,7 +384,7 @@ def end(amp: Session) -> None:
     try:
         scaling_state.settle(amp.scaling)
         patched = collections.Counter(entry.policy for entry in (amp.table or {}).values())
-        running.set_ended(running.Ended(counters_of(amp.scaling), report_of(amp), dict(patched)))
+        running.set_ended(running.Ended(counters_of(amp.scaling), report_of(amp.diagnostics), dict(patched)))
     finally:
         amp.end()
 
@@ -413,10 +423,7 @@ def user_item(amp: Session, owner: object, name: str, policy: str) -> PatchItem:
 def maker(amp: Session, policy: str, qualname: str, method: bool, fix: str) -> Callable[[Callable], Callable]:
     """``make_wrapper(original)`` for one op under ``amp``'s settings."""
     def make(original: Callable) -> Callable:
-        return make_wrapper(
-            policy, qualname, original, method=method, half=amp.config.half_dtype,
-            cache=amp.cache, ledger=amp.ledger, fix=fix, live=amp.live, min_flops=amp.min_flops,
-        )
+        return make_wrapper(policy, qualname, original, method=method, casting=amp.casting, fix=fix)
 
     return make
 

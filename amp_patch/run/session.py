@@ -17,7 +17,7 @@ the same step, before anything else can fail.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -25,17 +25,19 @@ from .. import diagnostics
 from ..base import running
 from ..base.undo import Owned
 from ..config import AmpConfig
+from ..diagnostics import Diagnostics
 from ..oplists import Entry
 from ..patching.cast import CastCache
+from ..patching.spec import Casting
 from ..patching.registry import Patcher, PatchItem
 from ..patching.wrappers import Live
+from ..precision.conversions import Conversions
 from ..scaling.state import Hooks, LossScaling
-from .flight import InFlight
+from ..base.inflight import InFlight
 
 if TYPE_CHECKING:
     from ..diagnostics.stats import Ledger
-    from ..precision.fp8 import Fp8Model
-    from ..precision.model import Conversion
+    from ..precision.master import MasterWeights
     from ..scaling.scaler import LossScaler
     from ..scaling.state import Handle
 
@@ -84,26 +86,49 @@ class Session:
         self.undo: Owned = Owned(self)
         #: the registry of patched attributes, each batch pushed onto ``undo``
         self.patcher: Patcher = Patcher(self.undo)
-        self.cache: CastCache = CastCache()
-        self.live: Live = Live()  # turned off at the end: stray wrappers then call straight through
+        #: diagnostics: the op ledger (``collect_stats=True``), the loss log, the overflow
+        #: watch; it sees of the session only its undo view, patcher and op table, and
+        #: the callables handed here
+        self.diagnostics: Diagnostics = Diagnostics(
+            self.undo, self._config, device_type, patcher=self.patcher, table=table, models=self._models,
+            scalers=self._scalers, fp8=self._fp8_rows, collect_stats=config.collect_stats)
+        #: what the casting wrappers are built from: the half dtype, the weight-cast
+        #: cache, the Live flag (turned off at the end: stray wrappers then call
+        #: straight through), the op ledger (the diagnostics' own) and the auto
+        #: threshold (set by ``run.plan``)
+        self.casting: Casting = Casting(config.half_dtype, Live(), ledger=self.diagnostics.ledger)
         self.flight: InFlight = InFlight()  # forwards, backwards and steps in flight, per thread
         self.models: List[torch.nn.Module] = []
         self.optimizers: List[torch.optim.Optimizer] = []
-        #: one conversion record per converted or hooked model
-        self.model_records: List["Conversion"] = []
-        #: O6/O7: one record per model of its FP8 layers (``precision.fp8``)
-        self.fp8: List["Fp8Model"] = []
+        #: precision: the model conversions and FP8 layers, and the look-ups their hooks make;
+        #: it sees of the session only its undo view and the callables handed here
+        self.precision: Conversions = Conversions(
+            self.undo, self._config, models=self._models, masters=self._masters, known=self._known,
+            attached=self.attached, live=self._live)
         #: loss scaling: the scalers, one handle per attached optimizer, this step's flags;
         #: it sees of the session only what ``Hooks`` hands it
         self.scaling: LossScaling = LossScaling(config, device_type, Hooks(
-            flight=self.flight, on_skip=self._on_skip, models=self._models, dtypes_before=self._dtypes_before,
+            flight=self.flight, on_skip=self._on_skip, models=self._models,
+            dtypes_before=self.precision.dtypes_before,
             record_loss=self._record_loss, clear_cache=self.cache.clear, live=self._live, patch=self.patch))
-        self.ledger: Optional["Ledger"] = None  # when collect_stats=True
-        #: cast_policy="auto": half-list matmuls under this many FLOPs stay FP32 (0: all cast)
-        self.min_flops: float = 0.0
         #: set by the launcher (or amp_patch.auto) on the session it started: a
         #: script's own initialize replaces it, keeping these settings
         self.provisional: Optional[Provisional] = None
+
+    @property
+    def cache(self) -> CastCache:
+        """The half copies of the session's weights (``casting.cache``)."""
+        return self.casting.cache
+
+    @property
+    def live(self) -> Live:
+        """Off once the session is over (``casting.live``)."""
+        return self.casting.live
+
+    @property
+    def ledger(self) -> Optional["Ledger"]:
+        """The op ledger when ``collect_stats=True`` (``casting.ledger``), else None."""
+        return self.casting.ledger
 
     def holds(self, model: torch.nn.Module) -> bool:
         """True when ``model`` was passed to an ``initialize`` of this session."""
@@ -127,20 +152,38 @@ class Session:
 
     # what loss scaling sees of the session (``scaling.state.Hooks``)
     def _on_skip(self, loss_id: int, scaler: "LossScaler") -> None:
-        diagnostics.on_skipped_step(self, loss_id, scaler)
+        diagnostics.on_skipped_step(self.diagnostics, loss_id, scaler)
 
     def _models(self) -> List[torch.nn.Module]:
         return self.models
 
     def _record_loss(self, loss: torch.Tensor, loss_id: int, step: int) -> None:
-        diagnostics.record_loss(self, loss, loss_id, step)
+        diagnostics.record_loss(self.diagnostics, loss, loss_id, step)
 
     def _live(self) -> bool:
         return running.session() is self
 
-    def _dtypes_before(self) -> Dict[int, torch.dtype]:
-        # a converted model's parameter comes back from deinitialize in its dtype from before
-        return {id(q): d for rec in self.model_records for q, d in rec.params}
+    # what precision sees of the session (``precision.conversions``)
+    def _config(self) -> AmpConfig:
+        # read at each call: set_config replaces the settings
+        return self.config
+
+    # what diagnostics sees of the session (``diagnostics.state``)
+    def _scalers(self) -> List["LossScaler"]:
+        # read at each call: loss scaling is built after the diagnostics
+        return self.scaling.scalers
+
+    def _fp8_rows(self) -> List[Dict[str, Any]]:
+        return [row for rec in self.precision.fp8 for row in rec.rows()]
+
+    def _masters(self) -> Iterator["MasterWeights"]:
+        for h in self.scaling.by_optimizer.values():
+            if h.masters is not None:
+                yield h.masters
+
+    def _known(self, optimizer: torch.optim.Optimizer) -> bool:
+        # a handle exists from the start of the optimizer's attachment, before its methods are patched
+        return id(optimizer) in self.scaling.by_optimizer
 
     def attached(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when ``optimizer`` is attached to this session."""

@@ -27,7 +27,7 @@ scalers of a run), ``optimizer`` (the patched optimizer methods), ``patches``
 (the backward and clip patches), ``api`` (the public functions),
 ``checkpoint`` (amp_patch's state dict), ``scaler`` (one loss scale),
 and ``leaves`` (gradients of tensors no attached optimizer owns). The fused
-O2/O5 update lives with the masters, in ``amp_patch.precision.fused``.
+O2/O5 update lives with the masters, in ``amp_patch.precision.compiled``.
 """
 from __future__ import annotations
 

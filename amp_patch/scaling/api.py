@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any, Iterator, List, Optional
 
 import torch
 
-from .. import diagnostics
 from ..base import running
 from ..base.eager import eager
 from ..base.errors import ConfigError, StateError
@@ -19,11 +18,10 @@ from .state import Handle, LossScaling, after_backward, arm, before_backward, lo
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from ..run.session import Session
-
 Tensor = torch.Tensor
 
-def current(what: str) -> "Session":
+def current(what: str) -> Any:
+    """The running session (``running.session``); StateError when none runs."""
     amp = running.session()
     if amp is None:
         raise StateError(f"amp_patch.{what} needs amp_patch.initialize(model, optimizer, opt_level=...) first")
@@ -92,19 +90,19 @@ def _scale_loss(
             torch.nn.utils.clip_grad_norm_(amp_patch.master_params(optimizer), 1.0)
             optimizer.step()
     """
-    amp = current("scale_loss")
-    run = amp.scaling
+    run = current("scale_loss").scaling
     n = len(run.scalers)
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < n:
         raise ConfigError(f"scale_loss: loss_id={loss_id!r} must be an integer in [0, {n}); initialize(num_losses=...) sets how many")
     if not isinstance(loss, Tensor):
         raise ConfigError(f"scale_loss: the loss must be a tensor (the output of your loss function), got {type(loss).__name__} {loss!r}")
-    handles = _handles(amp.scaling, optimizers, "scale_loss")
+    handles = _handles(run, optimizers, "scale_loss")
     scaler = run.scalers[loss_id]
-    if not amp.flight.enter("scale_loss"):
+    flight = run.hooks.flight
+    if not flight.enter("scale_loss"):
         raise StateError("amp_patch.scale_loss: amp_patch was deinitialized by another thread while this call waited")
     try:
-        diagnostics.record_loss(amp, loss, loss_id, scaler.steps)  # the true loss, for plot() and report()
+        run.hooks.record_loss(loss, loss_id, scaler.steps)  # the true loss, for plot() and report()
         hooks: List[RemovableHandle] = []
         if scaler.active:
             hooks = patches.guard_foreign(run, loss, run.handles, loss_id)[1]
@@ -117,7 +115,7 @@ def _scale_loss(
                 hook.remove()
             after_backward(run, handles, loss_id, delay_unscale=bool(delay_unscale), armed=armed)
     finally:
-        amp.flight.leave()
+        flight.leave()
 
 
 class _ScaleLoss:
@@ -165,8 +163,7 @@ def unscale_(optimizer: torch.optim.Optimizer) -> None:
         torch.nn.utils.clip_grad_norm_(amp_patch.master_params(optimizer), 1.0)
         optimizer.step()
     """
-    amp = current("unscale_")
-    (h,) = _handles(amp.scaling, optimizer, "unscale_")
+    (h,) = _handles(current("unscale_").scaling, optimizer, "unscale_")
     transfer(h.run, h)
 
 
@@ -189,9 +186,9 @@ def master_params(optimizer: object) -> Iterator[Tensor]:
         torch.nn.utils.clip_grad_norm_(amp_patch.master_params(optimizer), max_norm=1.0)
         optimizer.step()
     """
-    amp = current("master_params")
+    scaling = current("master_params").scaling
     opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    return _unscaled_params(_handles(amp.scaling, opts, "master_params"))
+    return _unscaled_params(_handles(scaling, opts, "master_params"))
 
 
 def _unscaled_params(handles: List[Handle]) -> Iterator[Tensor]:

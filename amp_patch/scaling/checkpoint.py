@@ -176,8 +176,8 @@ def counters() -> Dict[str, Any]:
 
 def counters_of(run: LossScaling) -> Dict[str, Any]:
     """``counters()`` of a session's loss scaling (reads what the device counted: one wait)."""
-    opts = [{"steps": h.steps, "skipped": h.skipped, "fused": h.fused.steps if h.fused is not None else 0,
-             "one_pass": h.kernel.steps if h.kernel is not None else 0}
+    opts = [{"steps": h.steps, "skipped": h.skipped, "fused": h.compiled.steps if h.compiled is not None else 0,
+             "one_pass": h.onepass.steps if h.onepass is not None else 0}
             for h in run.handles]
     return {
         "steps": sum(o["steps"] for o in opts),

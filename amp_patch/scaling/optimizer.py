@@ -17,9 +17,9 @@ from .patches import ensure_patches
 from .state import Handle, LossScaling, Stage, decide_skips, transfer, transfer_all
 
 if TYPE_CHECKING:
+    from ..base.undo import Owned
     from ..precision.master import MasterWeights
     from ..precision.optimizers import Built
-    from ..run.session import Session
 
 Tensor = torch.Tensor
 _NOTSET = object()
@@ -202,25 +202,26 @@ class _RestoreMethods:
 
 
 
-def attach(amp: "Session", optimizers: Sequence[torch.optim.Optimizer], built: Optional[Dict[int, "Built"]] = None) -> None:
-    """Give each loss a scaler (first call) and attach ``optimizers``, with the
-    masters ``precision.optimizers.attach`` built for them (``built``).
+def attach(run: LossScaling, undo: "Owned", optimizers: Sequence[torch.optim.Optimizer],
+           built: Optional[Dict[int, "Built"]] = None) -> None:
+    """Give each loss a scaler (first call) and attach ``optimizers`` to ``run``, with
+    the masters ``precision.optimizers.attach`` built for them (``built``).
 
     Patches each optimizer's ``step``, ``zero_grad`` (and ``add_param_group``
-    when it has masters) as instance attributes; the undo restores them.
+    when it has masters) as instance attributes; the undo, pushed onto ``undo``,
+    restores them.
     """
-    run = amp.scaling
     for opt in optimizers:
-        h = run.handle(opt, amp.undo)
+        h = run.handle(opt, undo)
         if h.patched:
             continue
         if built and id(opt) in built:
-            h.masters, h.fused, h.kernel = built[id(opt)]
+            h.masters, h.compiled, h.onepass = built[id(opt)]
         _patch(h)
-        if h.kernel is not None:
-            h.kernel.original = h.originals["step"]
+        if h.onepass is not None:
+            h.onepass.original = h.originals["step"]
         run.handles.append(h)
-        amp.undo.push(_RestoreMethods(h))
+        undo.push(_RestoreMethods(h))
     ensure_patches(run)
 
 

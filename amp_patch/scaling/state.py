@@ -51,8 +51,8 @@ from ..precision import fsdp, master
 from .scaler import LossScaler
 
 if TYPE_CHECKING:
-    from ..precision.fused import FusedUpdate
-    from ..precision.kernel import KernelStep
+    from ..precision.compiled import CompiledUpdate
+    from ..precision.onepass import OnePassStep
 
 log = logging.getLogger("amp_patch")
 Tensor = torch.Tensor
@@ -81,8 +81,8 @@ class Handle:
         self.optimizer = optimizer
         self.run = run
         self.masters: Optional[master.MasterWeights] = None
-        self.fused: Optional[FusedUpdate] = None  # fused.FusedUpdate under fused_update=True
-        self.kernel: Optional[KernelStep] = None  # kernel.KernelStep: the one-pass step (O1/O2/O4/O5), where it is built
+        self.compiled: Optional[CompiledUpdate] = None  # compiled.CompiledUpdate under fused_update=True
+        self.onepass: Optional[OnePassStep] = None  # onepass.OnePassStep: the one-pass step (O1/O2/O4/O5), where it is built
         self.patched = False
         self.saved: Dict[str, object] = {}  # replaced instance attributes: name -> own value or _NOTSET
         self.originals: Dict[str, Callable[..., Any]] = {}  # name -> the callable we call through
@@ -172,7 +172,7 @@ class Hooks:
                  record_loss: Callable[[Tensor, int, int], None] = lambda loss, loss_id, step: None,
                  clear_cache: Callable[[], None] = lambda: None, live: Callable[[], bool] = lambda: True,
                  patch: Callable[[Sequence[Any]], None] = lambda items: None):
-        #: the session's work in flight (``run.flight.InFlight``): the patched step enters it
+        #: the session's work in flight (``base.inflight.InFlight``): the patched step enters it
         self.flight = flight
         #: told of each skipped step (overflow provenance, ``diagnostics``)
         self.on_skip = on_skip

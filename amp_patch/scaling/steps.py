@@ -9,9 +9,9 @@ device, asks for the decision on the host (``HOST``):
 ============  ==========================================  =======================
 link          what it is                                  a device flag
 ============  ==========================================  =======================
-``OnePass``   ``precision.kernel``: the C step, one pass  read in C (CPU tensors)
+``OnePass``   ``precision.onepass``: the C step, one pass  read in C (CPU tensors)
               per parameter (update, and the half copy)
-``Compiled``  ``precision.fused`` (``fused_update=True``)  asks for the host
+``Compiled``  ``precision.compiled`` (``fused_update=True``)  asks for the host
 ``Torch``     the optimizer's own ``step``                as ``found_inf`` where
                                                           the optimizer takes it
                                                           (``fused=True``), else
@@ -41,7 +41,7 @@ Decision = Union[bool, Tensor]
 
 
 def _one_pass(h: "Handle", skip: Decision, closure: bool, args: tuple, kwargs: dict) -> Tuple[Optional[str], Any]:
-    k = h.kernel
+    k = h.onepass
     if k is None or closure:
         return PASS, None
     if isinstance(skip, Tensor):
@@ -58,12 +58,12 @@ def _one_pass(h: "Handle", skip: Decision, closure: bool, args: tuple, kwargs: d
 
 
 def _compiled(h: "Handle", skip: Decision, closure: bool, args: tuple, kwargs: dict) -> Tuple[Optional[str], Any]:
-    if h.fused is None or closure:
+    if h.compiled is None or closure:
         return PASS, None
     if isinstance(skip, Tensor):
         return HOST, None  # the compiled update decides on the host
-    plan = h.fused.plan()
-    return (None, None) if plan is not None and h.fused.run(plan) else (PASS, None)
+    plan = h.compiled.plan()
+    return (None, None) if plan is not None and h.compiled.run(plan) else (PASS, None)
 
 
 def _torch(h: "Handle", skip: Decision, closure: bool, args: tuple, kwargs: dict) -> Tuple[Optional[str], Any]:

@@ -204,7 +204,7 @@ def test_functions_captured_before_initialize_are_named(tmp_path, monkeypatch):
         msgs, _ = _init_and_collect(nn.Linear(4, 4), opt_level="O1", half_dtype=bf16)
         amp = running.session()
         assert not amp.patcher.is_patched(F, "dropout")
-        found = diagnostics.setup_checks.captured_functions(amp)
+        found = diagnostics.setup_checks.captured_functions(amp.patcher)
     finally:
         amp_patch.deinitialize()
         sys.modules.pop("captured_mod", None)
@@ -286,7 +286,7 @@ def _skip(amp, scaler, step=0):
     scaler.history.append((step, 65536.0, True))
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        prov = diagnostics.on_skipped_step(amp, 0, scaler)
+        prov = diagnostics.on_skipped_step(amp.diagnostics, 0, scaler)
     return prov, _amp_warnings(rec), rec
 
 
@@ -443,7 +443,7 @@ def test_find_overflow_arms_one_step_then_disarms():
         scaler = _Scaler()
         amp.scaling.scalers.append(scaler)
         # Not armed: a skipped step is only logged.
-        assert diagnostics.on_skipped_step(amp, 0, scaler) is None
+        assert diagnostics.on_skipped_step(amp.diagnostics, 0, scaler) is None
         assert modes._observers == () and not model.fc._forward_hooks
 
         amp_patch.find_overflow()
@@ -454,7 +454,7 @@ def test_find_overflow_arms_one_step_then_disarms():
         # one step only: hooks and mode are gone
         assert modes._observers == () and not model.fc._forward_hooks
         assert torch._C._len_torch_function_stack() == 0
-        assert diagnostics.on_skipped_step(amp, 0, scaler) is None
+        assert diagnostics.on_skipped_step(amp.diagnostics, 0, scaler) is None
         assert amp_patch.report().overflow == prov  # still reported
 
         # Armed, but the step goes through: the next forward disarms it.

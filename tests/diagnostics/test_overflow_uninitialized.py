@@ -9,7 +9,6 @@ import torch.nn as nn
 
 import amp_patch
 from amp_patch.base import running
-from amp_patch.diagnostics import overflow
 
 
 @pytest.mark.quick
@@ -19,8 +18,8 @@ def test_uninitialized_memory_is_not_an_overflow(factory):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp_patch.initialize(model, opt, opt_level="O1", half_dtype=torch.float16, find_overflow=True, verbosity=0)
     try:
-        watch = overflow._watch
-        assert watch is not None and watch.amp is running.session() and watch.armed
+        watch = running.session().diagnostics.watch
+        assert watch is not None and watch.armed  # find_overflow=True armed it at initialize
         with torch.no_grad():  # the watch looks at the forward pass only: not at this line
             garbage = torch.full((3,), float("nan"))  # what uninitialized memory may hold
         with torch.enable_grad(), torch._C.DisableTorchFunction():

@@ -73,7 +73,7 @@ def test_demo_prints_the_comparison_table(capsys):
     rows = _rows(out)
     assert list(rows) == ["FP32", "O1", "O2"]
     # the O2 row is the default O2, whose step is the one-pass kernel where it is built
-    built = amp_patch.precision.kernel.native is not None
+    built = amp_patch.precision.onepass.native is not None
     for mode in ("O1", "O2"):  # the same count, labelled as the first line labels it
         assert (f"{mode}'s optimizer step (the default, no option): one pass in C per parameter for 6 of its 6 steps "
                 "(1 warm-up + 4 timed + 1 measuring peak memory)" in out) is built

@@ -256,9 +256,7 @@ def test_find_overflow_diverts_every_call_to_the_python_wrappers(o4):
         assert wrappers.python_only
         assert torch.mm(t["x"], t["y"]).dtype == bf16
     finally:
-        from amp_patch import diagnostics
-
-        diagnostics.overflow._watch.disarm()
+        running.session().diagnostics.watch.disarm()
     assert not wrappers.python_only
 
 
@@ -366,3 +364,70 @@ def test_wrapt_without_its_c_extension_still_patches_correctly_and_says_what_it_
     assert out.stdout.split() == ["True", "True", "[]"]
     assert "wrapt's C extension is not in use (WRAPT_DISABLE_EXTENSIONS is set)" in out.stderr
     assert "Unset WRAPT_DISABLE_EXTENSIONS" in out.stderr
+
+
+# ------------------------------------------------------------ one spec, two paths
+
+
+def test_the_c_path_checks_the_layouts_it_reads_by_position():
+    """``bind`` refuses an ``OpSpec`` or ``CacheEntry`` whose fields moved, naming the
+    fix, and leaves the module bound as it was; a constructor given anything but a
+    spec is refused too."""
+    from amp_patch.patching.cast import CacheEntry
+    from amp_patch.patching.spec import OpSpec
+
+    fast = fast_path()
+    moved = (OpSpec._fields[1], OpSpec._fields[0]) + OpSpec._fields[2:]
+    with pytest.raises(ImportError, match=r"spec\.OpSpec's fields are not the ones _fastpath\.c reads by position; rebuild"):
+        fast.bind(wrappers.disabled, wrappers.python_only, moved, CacheEntry._fields)
+    with pytest.raises(ImportError, match=r"cast\.CacheEntry's fields"):
+        fast.bind(wrappers.disabled, wrappers.python_only, OpSpec._fields, CacheEntry._fields[:-1])
+    with pytest.raises(TypeError, match="spec is not an amp_patch.patching.spec.OpSpec"):
+        fast.FastOpWrapper(torch.mm, wrappers._call_through, (f32, bf16))
+    # still bound to the module's own switches: casting goes on, and disable_casts reaches C
+    amp_patch.initialize(None, None, "O4", verbosity=0)
+    try:
+        assert type(torch.mm) is fast.FastOpWrapper
+        x = torch.randn(4, 4)
+        assert torch.mm(x, x).dtype == bf16
+        with amp_patch.disable_casts():
+            assert torch.mm(x, x).dtype == f32
+    finally:
+        amp_patch.deinitialize()
+
+
+_SIZED = [
+    ("torch.nn.functional.linear", F.linear, lambda g: (torch.randn(3, 5, 7, generator=g), torch.randn(6, 7, generator=g))),
+    ("torch.mm", torch.mm, lambda g: (torch.randn(5, 7, generator=g), torch.randn(7, 9, generator=g))),
+    ("torch.bmm", torch.bmm, lambda g: (torch.randn(2, 5, 7, generator=g), torch.randn(2, 7, 3, generator=g))),
+    ("torch.addmm", torch.addmm, lambda g: (torch.randn(9, generator=g), torch.randn(5, 7, generator=g),
+                                            torch.randn(7, 9, generator=g))),
+    ("torch.nn.functional.conv2d", F.conv2d, lambda g: (torch.randn(2, 3, 6, 6, generator=g),
+                                                       torch.randn(4, 3, 3, 3, generator=g))),
+]
+
+
+@pytest.mark.parametrize("qualname,op,make", _SIZED, ids=[s[0] for s in _SIZED])
+def test_c_and_python_count_a_calls_flops_alike_at_the_threshold(qualname, op, make, monkeypatch):
+    """Under ``cast_policy="auto"`` both paths read the op's FLOP formula from its
+    spec: a call exactly at the threshold casts, one FLOP under it stays FP32, on
+    either path (the C formula and ``costs.flops`` agree to the FLOP)."""
+    from amp_patch.patching import costs
+    from amp_patch.patching.spec import Casting
+
+    fast = fast_path()
+    args = make(torch.Generator().manual_seed(0))
+    n = costs.flops(costs.FLOPS[qualname], args)
+    assert n is not None and n > 0
+    for min_flops, want in ((n, bf16), (n + 1, f32)):
+        casting = Casting(bf16, wrappers.Live(), min_flops=min_flops)
+        c = wrappers.make_wrapper("half", qualname, op, method=False, casting=casting)
+        assert isinstance(c, fast.FastOpWrapper)
+        monkeypatch.setattr(wrappers, "fast", None)
+        py = wrappers.make_wrapper("half", qualname, op, method=False, casting=casting)
+        monkeypatch.undo()
+        assert not isinstance(py, fast.FastOpWrapper)
+        for wrapper in (c, py):
+            out = wrapper(*args)
+            assert out.dtype == want, (type(wrapper).__name__, min_flops)
+            assert torch.equal(out, op(*[a.to(want) for a in args]))

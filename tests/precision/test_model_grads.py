@@ -304,3 +304,50 @@ def test_model_grads_false_keeps_the_model_grad_empty_and_steps_the_same(half):
             runs.append([m.detach().clone() for m in masters(opt)])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def _facts(s):
+    return (s.partial, s.in_model, s.zeroed)
+
+
+def test_the_masters_gradient_sum_moves_only_as_its_table_says():
+    """``GradSum``: every row of its docstring's table, from every reachable state."""
+    from amp_patch.precision.master import GradSum
+
+    s = GradSum()
+    assert _facts(s) == (False, False, False)
+    s.zero_grad(set_to_none=False)
+    assert _facts(s) == (False, False, True)
+    s.backward(keep_half=False)
+    assert _facts(s) == (True, False, True)  # zeroed kept: the step's unreached masters step on zeros
+    s.backward(keep_half=False)
+    assert _facts(s) == (True, False, True)
+    assert s.step() is False  # the model held no half sum
+    assert _facts(s) == (False, False, False)
+    s.backward(keep_half=True)
+    assert _facts(s) == (False, True, False)
+    s.zero_grad(set_to_none=True)
+    assert _facts(s) == (False, True, False)  # the model's half sum is dropped at the step, not here
+    s.backward(keep_half=True)
+    assert s.step() is True  # the step drops the model's half sum
+    assert _facts(s) == (False, False, False)
+
+
+def test_accumulated_backwards_sum_in_the_masters_and_a_step_starts_a_new_sum():
+    """Two backwards before a step add in FP32 (``partial``); after the step one
+    backward's gradient stands alone, with only ``model.zero_grad()`` between."""
+    model = net()
+    opt = sgd(model, lr=0.0)
+    x, y = batch(0, 6, 3)
+    with amp(model, opt, "O5", model_grads=False):
+        masters = [p for g in opt.param_groups for p in g["params"]]
+        F.mse_loss(model(x).float(), y).backward()
+        one = [p.grad.clone() for p in masters]
+        F.mse_loss(model(x).float(), y).backward()
+        for a, p in zip(one, masters):
+            assert p.dtype == torch.float32 and torch.equal(p.grad, a + a)
+        opt.step()
+        model.zero_grad()
+        F.mse_loss(model(x).float(), y).backward()
+        for a, p in zip(one, masters):
+            assert torch.equal(p.grad, a)

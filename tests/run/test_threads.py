@@ -531,7 +531,7 @@ def test_deinitialize_waits_for_a_forward_in_flight_so_it_ends_in_one_precision(
 
 
 def test_a_forward_that_starts_while_deinitialize_runs_waits_and_runs_unpatched(monkeypatch):
-    from amp_patch.run import flight as inflight
+    from amp_patch.base import inflight
 
     model = _gated()
     amp_patch.initialize(model, None, "O1", half_dtype=torch.bfloat16, verbosity=0)
@@ -550,7 +550,7 @@ def test_a_forward_that_starts_while_deinitialize_runs_waits_and_runs_unpatched(
 
 
 def test_deinitialize_gives_up_naming_the_busy_thread_and_changes_nothing(monkeypatch):
-    from amp_patch.run import flight as inflight
+    from amp_patch.base import inflight
 
     monkeypatch.setattr(inflight, "WAIT_SECONDS", 0.2)
     model = _gated()

@@ -93,7 +93,7 @@ def test_plain_backward_is_scaled_exactly_like_scale_loss():
     assert same(params(a), params(b))
     # O1: no masters; plain SGD takes the one-pass step only to read the skip flag in C
     # (sync-free steps: torch's own step would need the decision on the host)
-    one_pass = 4 if amp_patch.precision.kernel.native is not None else 0
+    one_pass = 4 if amp_patch.precision.onepass.native is not None else 0
     assert c["optimizers"] == [{"steps": 4, "skipped": 2, "fused": 0, "one_pass": one_pass}] * 2
     # one shared scaler (loss 0), updated at each step's verdict: both forms overflow
     # at iterations 1 and 2, so it halves twice in each
@@ -209,7 +209,7 @@ def count_syncs(monkeypatch):
 def test_fp16_does_one_fused_check_and_at_most_one_sync_per_step(sync_free, count_checks, count_syncs):
     models = [Scale(seed=s) for s in range(3)]
     opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
-    if sync_free and amp_patch.precision.kernel.native is None:
+    if sync_free and amp_patch.precision.onepass.native is None:
         pytest.skip("the one-pass step is not built here: plain SGD's step reads its skip flag on the host")
     with amp(models, opt, "O1", sync_free=sync_free, **FP16):
         for i in range(3):

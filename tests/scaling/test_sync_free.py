@@ -21,14 +21,14 @@ import amp_patch
 from amp_patch.base import running
 from amp_patch.base.errors import ConfigError, OverflowLoopError
 from amp_patch.diagnostics import losses
-from amp_patch.precision import kernel
+from amp_patch.precision import onepass
 from amp_patch.scaling.scaler import LossScaler
 
 #: every way a tensor's value reaches the host
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu")
 _PACKAGE = os.path.dirname(amp_patch.__file__) + os.sep
 
-needs_kernel = pytest.mark.skipif(kernel.native is None, reason=f"the one-pass C step is not built here: {kernel.UNAVAILABLE}")
+needs_kernel = pytest.mark.skipif(onepass.native is None, reason=f"the one-pass C step is not built here: {onepass.UNAVAILABLE}")
 
 
 class HostReads:
@@ -106,7 +106,7 @@ def sync_free_here(level, opt):
         return True  # nothing scaled: no verdict to read
     if opt.endswith("_fused"):
         return True
-    return kernel.native is not None and level != "O3_fp16_dynamic"
+    return onepass.native is not None and level != "O3_fp16_dynamic"
 
 
 def train(level, opt_name, sync_free, poison=(1, 4), steps=7, reads=None, form="plain"):
@@ -143,7 +143,7 @@ def train(level, opt_name, sync_free, poison=(1, 4), steps=7, reads=None, form="
         "amp": amp_patch.state_dict(),
         "counters": counters,
         "history": history,
-        "losses": losses.log_of(running.session()).rows(),
+        "losses": losses.log_of(running.session().diagnostics).rows(),
     }
     amp_patch.deinitialize()
     return result
@@ -246,7 +246,7 @@ def test_torch_own_reads_are_all_that_is_left():
             opt.zero_grad()
     plain = reads.count
     assert _amp_reads("O2_fp16", "adam", True) <= plain
-    assert _amp_reads("O2_fp16", "adam", False) == 3 + (plain if kernel.native is None else 0)
+    assert _amp_reads("O2_fp16", "adam", False) == 3 + (plain if onepass.native is None else 0)
 
 
 def test_counters_are_read_when_asked_and_right(caplog):
@@ -338,7 +338,7 @@ def test_the_loss_log_reaches_the_host_without_a_read(monkeypatch):
     monkeypatch.setattr(losses, "CHUNK", 2)
     reads = HostReads()
     with reads.patched():
-        got = train("O2_fp16", "adam", sync_free=True, reads=reads if kernel.native is not None else None, poison=(2,))
+        got = train("O2_fp16", "adam", sync_free=True, reads=reads if onepass.native is not None else None, poison=(2,))
     rows = got["losses"]
     assert [step for _, step, _ in rows] == list(range(7))
     assert rows[2][2] == float("inf") and all(0 < v < float("inf") for i, (_, _, v) in enumerate(rows) if i != 2)

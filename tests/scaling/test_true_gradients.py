@@ -479,7 +479,7 @@ def test_functional_call_with_fp32_parameters_at_o2_computes_in_fp32():
 
 
 from amp_patch.base import running  # noqa: E402
-from amp_patch.precision import kernel as _kernel, master as _master  # noqa: E402
+from amp_patch.precision import onepass as _kernel, master as _master  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(_kernel.native is None, reason="the C step kernel is not built here")
 
@@ -561,7 +561,7 @@ def test_o2_a_half_gradient_is_in_its_master_before_the_backward_ends():
     opt = sgd(model)
     with amp(model, opt, "O2", half_dtype=f16, loss_scale=1024.0, model_grads=False) as (model, opt):
         last = model[-1].weight
-        master = _master.lookup(running.session(), last)
+        master = _master.lookup(running.session().precision, last)
         x, y = data()
         F.mse_loss(model(x), y).backward()  # makes the FP32 buffers, which model.zero_grad() keeps
         opt.step()
@@ -641,4 +641,4 @@ def test_o2_a_users_own_post_accumulate_hook_still_sees_the_half_gradient():
         handle.remove()
         assert seen == [torch.bfloat16]
         assert w.grad is None
-        assert _master.lookup(running.session(), w).grad.dtype == torch.float32
+        assert _master.lookup(running.session().precision, w).grad.dtype == torch.float32

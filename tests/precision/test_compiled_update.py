@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch.precision import fused, kernel
+from amp_patch.precision import compiled, onepass
 from amp_patch.base.errors import ConfigError
 import helpers
 from helpers import amp, mlp
@@ -26,8 +26,8 @@ bf16, f32 = torch.bfloat16, torch.float32
 @pytest.fixture(autouse=True)
 def compiled_only(monkeypatch):
     """These tests are about the compiled update: the one-pass C step (which
-    O2/O5 take first, tests/precision/test_fused_step_c.py) is left out, as where it is not built."""
-    monkeypatch.setattr(kernel, "native", None)
+    O2/O5 take first, tests/precision/test_onepass_step.py) is left out, as where it is not built."""
+    monkeypatch.setattr(onepass, "native", None)
 
 
 def net(seed=0):
@@ -197,8 +197,8 @@ def test_a_compile_failure_warns_once_and_the_plain_step_goes_on(monkeypatch, ca
     def fails(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    real = fused.FusedUpdate._fn
-    monkeypatch.setattr(fused.FusedUpdate, "_fn", lambda self, kind: fails if kind in broken else real(self, kind))
+    real = compiled.CompiledUpdate._fn
+    monkeypatch.setattr(compiled.CompiledUpdate, "_fn", lambda self, kind: fails if kind in broken else real(self, kind))
     inf_at = 2 if config else None  # a skipped step under FP16 (BF16 has none to skip)
     plain, _, c0 = run("sgd_momentum", 5, False, config=config, inf_at=inf_at)
     with caplog.at_level(logging.WARNING, logger="amp_patch"):
@@ -247,7 +247,7 @@ def test_a_compile_failure_with_an_empty_first_param_group_runs_the_plain_step(m
     def fails(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(fused.FusedUpdate, "_fn", lambda self, kind: fails)
+    monkeypatch.setattr(compiled.CompiledUpdate, "_fn", lambda self, kind: fails)
     results = []
     for fused_update in (False, True):
         model = mlp(4, 8, 2)

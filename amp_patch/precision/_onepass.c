@@ -5,7 +5,7 @@
    master, master -> half weight). This kernel does it in one: it reads the
    gradient (FP32, BF16 or FP16) and multiplies it by the inverse loss scale,
    updates the FP32 master and the optimizer state, and writes the half weight,
-   for torch.optim.SGD and Adam/AdamW. amp_patch.precision.kernel prepares
+   for torch.optim.SGD and Adam/AdamW. amp_patch.precision.onepass prepares
    the call (raw pointers of contiguous CPU tensors, checked there) and falls
    back to the plain step for everything else.
 
@@ -19,7 +19,7 @@
    not always correctly rounded: Adam calls that very routine (set_sqrt; the
    Python side checks it against torch.sqrt first) on blocks small enough to
    stay in L1 between the two halves of its update. The masters and the
-   state come out bit for bit as the plain step's (tests/precision/test_fused_step_c.py).
+   state come out bit for bit as the plain step's (tests/precision/test_onepass_step.py).
 
    Vectorized by hand for AVX-512 and AVX2 (+FMA, F16C) in functions with
    target attributes, chosen at run time (__builtin_cpu_supports), with a
@@ -539,7 +539,7 @@ static int g_isa = ISA_SCALAR;  /* what runs (tests lower it to compare the vers
 
 enum { OP_SGD = 0, OP_ADAM = 1, OP_CHECK = 2, OP_ABSORB = 3 };
 
-/* torch's own square root routine, when amp_patch.precision.kernel found one that gives
+/* torch's own square root routine, when amp_patch.precision.onepass found one that gives
    exactly what torch.sqrt gives (set_sqrt); NULL: the CPU's correctly rounded one */
 typedef void (*sqrt_fn)(int n, const float *x, float *r);
 static sqrt_fn g_sqrt = NULL;
@@ -980,11 +980,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "amp_patch.precision._fusedstep",
-    "The fused O2/O5 optimizer step (see amp_patch.precision.kernel).", -1, methods,
+    PyModuleDef_HEAD_INIT, "amp_patch.precision._onepass",
+    "The fused O2/O5 optimizer step (see amp_patch.precision.onepass).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__fusedstep(void) {
+PyMODINIT_FUNC PyInit__onepass(void) {
     g_best = g_isa = best_isa();
     PyObject *m = PyModule_Create(&module);
     if (m && (PyModule_AddIntConstant(m, "CHUNK", CHUNK) || PyModule_AddStringConstant(m, "BEST", ISA_NAMES[g_best]))) {

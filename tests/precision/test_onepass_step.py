@@ -1,5 +1,5 @@
-"""The one-pass O2/O5 step in C (``amp_patch/precision/_fusedstep.c``, driven by
-``amp_patch.precision.kernel``): the default step where the kernel is built.
+"""The one-pass O2/O5 step in C (``amp_patch/precision/_onepass.c``, driven by
+``amp_patch.precision.onepass``): the default step where the kernel is built.
 
 It must compute what the plain step computes: the FP32 masters and the
 optimizer state bit for bit as torch's own optimizer leaves them, over several
@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import amp_patch
-from amp_patch.precision import kernel
+from amp_patch.precision import onepass
 from helpers import HAS_C_COMPILER, amp, batch, mlp
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
-C = kernel.native
-needs_kernel = pytest.mark.skipif(C is None, reason=f"the step kernel is not built here ({kernel.UNAVAILABLE})")
+C = onepass.native
+needs_kernel = pytest.mark.skipif(C is None, reason=f"the step kernel is not built here ({onepass.UNAVAILABLE})")
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.05)),
@@ -71,7 +71,7 @@ def same_bits(a, b):
 
 
 def _items(params, grads, opt, halfs):
-    """What KernelStep.plan hands the kernel, for plain tensors."""
+    """What OnePassStep.plan hands the kernel, for plain tensors."""
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     out = []
     for p, g, h in zip(params, grads, halfs):
@@ -80,8 +80,8 @@ def _items(params, grads, opt, halfs):
             a, b, c, st = s.get("momentum_buffer"), None, None, None
         else:
             a, b, c, st = s["exp_avg"], s["exp_avg_sq"], s.get("max_exp_avg_sq"), s["step"]
-        out.append((p.data_ptr(), g.data_ptr(), kernel.KINDS[g.dtype], ptr(a), ptr(b), ptr(c), ptr(h),
-                    kernel.KINDS[h.dtype] if h is not None else 0, p.numel(), ptr(st), 0))
+        out.append((p.data_ptr(), g.data_ptr(), onepass.KINDS[g.dtype], ptr(a), ptr(b), ptr(c), ptr(h),
+                    onepass.KINDS[h.dtype] if h is not None else 0, p.numel(), ptr(st), 0))
     return out
 
 
@@ -100,13 +100,13 @@ def _kernel_step(opt, params, grads, halfs, inv, threads):
 def test_sqrt_is_torchs_here():
     # Adam's bit equality rests on the square root: torch's (MKL's, not always correctly
     # rounded) where the kernel found it, else the CPU's where torch.sqrt gives exactly that
-    assert kernel.sqrt_mode() in ("torch", "ieee"), kernel.sqrt_mode()
+    assert onepass.sqrt_mode() in ("torch", "ieee"), onepass.sqrt_mode()
 
 
 def test_the_step_kernel_is_built_where_a_compiler_is():
     if not HAS_C_COMPILER:
         pytest.skip("no C compiler on this machine: O2 takes the plain step")
-    assert C is not None, f"a C compiler is here but the step kernel is not importable ({kernel.UNAVAILABLE}); " \
+    assert C is not None, f"a C compiler is here but the step kernel is not importable ({onepass.UNAVAILABLE}); " \
                           f"reinstall with `pip install -e .` (or `python setup.py build_ext --inplace`)"
 
 
@@ -153,7 +153,7 @@ def test_kernel_steps_masters_and_state_bit_for_bit_as_torch(name, gdt, hdt):
     cls, kw = OPTIMIZERS[name]
     inv = _inv(gdt)
     grads, after = _torch_steps(name, gdt)
-    kernel.sqrt_mode()
+    onepass.sqrt_mode()
     saved, stream_min = C.isa(), C.stream_min()
     try:
         for isa, threads in itertools.product(ISAS, (1, 3)):
@@ -208,7 +208,7 @@ def test_half_weights_round_as_torch_converts_them(hdt):
     finally:
         C.isa(saved)
     # the portable scalar conversion, value by value
-    kind = kernel.KINDS[hdt]
+    kind = onepass.KINDS[hdt]
     for v, (code, back) in zip(SPECIAL, C.round_bits(SPECIAL, kind)):
         t = torch.tensor([v]).to(hdt)
         assert code == t.view(torch.int16).item() & 0xFFFF, v
@@ -224,7 +224,7 @@ def test_non_finite_check_finds_one_inf_or_nan_anywhere(gdt):
         for isa, at, bad in itertools.product(ISAS, (0, 17, n - 1), (float("inf"), float("-inf"), float("nan"))):
             C.isa(isa)
             g = torch.randn(n).to(gdt)
-            item = [(0, g.data_ptr(), kernel.KINDS[gdt], 0, 0, 0, 0, 0, n, 0, 0)]
+            item = [(0, g.data_ptr(), onepass.KINDS[gdt], 0, 0, 0, 0, 0, n, 0, 0)]
             assert C.non_finite(item, 2) is False
             g[at] = bad
             assert C.non_finite(item, 2) is True, (isa, at, bad)
@@ -245,8 +245,8 @@ def train(name, steps, config, use_kernel, monkeypatch=None, inf_at=None, accumu
     cls, kw = OPTIMIZERS[name]
     model = net()
     opt = cls(model.parameters(), **kw)
-    saved = kernel.native
-    kernel.native = kernel.native if use_kernel else None
+    saved = onepass.native
+    onepass.native = onepass.native if use_kernel else None
     scales = []
     try:
         with amp(model, opt, **config) as (model, opt):
@@ -268,7 +268,7 @@ def train(name, steps, config, use_kernel, monkeypatch=None, inf_at=None, accumu
             state = [{k: v.clone() for k, v in opt.state[p].items()} for g in opt.param_groups for p in g["params"]]
             return masters, halfs, state, amp_patch.counters(), scales
     finally:
-        kernel.native = saved
+        onepass.native = saved
 
 
 CONFIGS = {
@@ -363,13 +363,13 @@ def test_the_kernel_starts_threads_only_for_work_worth_a_thread(level, monkeypat
     """Starting a thread costs what updating ~100 k elements does: a small model's step
     (and each small gradient moved into its master) runs on the calling thread at any
     thread count; a large step takes one thread per ``PER_THREAD`` elements, up to torch's count."""
-    assert kernel.threads_for(kernel.PER_THREAD - 1) == 1
+    assert onepass.threads_for(onepass.PER_THREAD - 1) == 1
     rec = _Recorder(C)
-    monkeypatch.setattr(kernel, "native", rec)
+    monkeypatch.setattr(onepass, "native", rec)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert kernel.threads_for(3 * kernel.PER_THREAD) == 2
+        assert onepass.threads_for(3 * onepass.PER_THREAD) == 2
         for sizes, want in (((64, 64), 1), ((1024, 1024), 2)):
             model = mlp(*sizes)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -397,13 +397,13 @@ def test_adam_calls_mkl_sequentially_and_leaves_its_thread_setting_as_it_was():
     torch.set_num_threads(n) each call would otherwise start an OpenMP team of its own,
     3x slower on two cores), bit for bit as before, and the calling thread's MKL setting
     is what it was."""
-    if kernel.sqrt_mode() != "torch":
-        pytest.skip(f"Adam's square root here is not MKL's (sqrt_mode {kernel.sqrt_mode()!r})")
+    if onepass.sqrt_mode() != "torch":
+        pytest.skip(f"Adam's square root here is not MKL's (sqrt_mode {onepass.sqrt_mode()!r})")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         before = _mkl_max_threads()
-        n = 2 * kernel.PER_THREAD + 37  # two kernel threads
+        n = 2 * onepass.PER_THREAD + 37  # two kernel threads
         torch.manual_seed(0)
         ref = [torch.randn(n)]
         mine = [ref[0].clone()]
@@ -427,7 +427,7 @@ def test_o1_adam_takes_the_plain_step_where_the_kernels_sqrt_is_not_torchs(monke
     """Where the kernel's square root only approximates torch's, O2's masters accept the
     stated ulp bound, but O1's FP32 weights are the user's own: Adam takes torch's step
     there, SGD (no square root) still the kernel."""
-    monkeypatch.setattr(kernel, "sqrt_mode", lambda: "approximate")
+    monkeypatch.setattr(onepass, "sqrt_mode", lambda: "approximate")
     assert train("adam", 2, O1_CONFIGS["O4_bf16"], True)[3]["optimizers"][0]["one_pass"] == 0
     assert train("sgd_momentum_wd_dampening", 2, O1_CONFIGS["O4_bf16"], True)[3]["optimizers"][0]["one_pass"] == 2
     assert train("adam", 2, CONFIGS["O5_bf16"], True)[3]["optimizers"][0]["one_pass"] == 2
@@ -529,7 +529,7 @@ def test_what_the_kernel_does_not_cover_takes_the_plain_step(what, monkeypatch):
     try:
         n, got = _one_pass(build)
         assert n == 0, f"{what}: the kernel stepped"
-        monkeypatch.setattr(kernel, "native", None)
+        monkeypatch.setattr(onepass, "native", None)
         _, plain = _one_pass(build)
     finally:
         if handle is not None:
@@ -543,9 +543,9 @@ def test_optimizers_with_their_own_kernels_are_refused(flag):
     p = [nn.Parameter(torch.randn(3))]
     for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         opt = cls(p, lr=0.1)
-        assert kernel.refused(opt) is None
+        assert onepass.refused(opt) is None
         opt.param_groups[0][flag] = True
-        assert kernel.refused(opt) == f"{cls.__name__}({flag}=True)"
+        assert onepass.refused(opt) == f"{cls.__name__}({flag}=True)"
 
 
 @needs_kernel
@@ -609,10 +609,10 @@ def test_the_kernel_bumps_the_version_of_every_weight_it_writes(what):
 def test_without_the_built_kernel_o2_takes_the_plain_step(tmp_path):
     """As after an install with no C compiler: the import fails, nothing else does."""
     script = (
-        "import sys; sys.modules['amp_patch.precision._fusedstep'] = None\n"
+        "import sys; sys.modules['amp_patch.precision._onepass'] = None\n"
         "import torch, amp_patch\n"
-        "from amp_patch.precision import kernel\n"
-        "assert kernel.native is None and kernel.UNAVAILABLE, kernel.UNAVAILABLE\n"
+        "from amp_patch.precision import onepass\n"
+        "assert onepass.native is None and onepass.UNAVAILABLE, onepass.UNAVAILABLE\n"
         "torch.manual_seed(0)\n"
         "m = torch.nn.Linear(8, 8); o = torch.optim.AdamW(m.parameters(), lr=1e-2)\n"
         "m, o = amp_patch.initialize(m, o, 'O2', verbosity=0)\n"
@@ -652,7 +652,7 @@ def test_absorb_gives_torchs_copy_unscale_and_add_bit_for_bit(isa, dtype, n):
             assert dst.data_ptr() % 64 == 0  # where the write streams (mode 0), the destination is aligned
             before = dst.clone()
             found = torch.zeros(())
-            bad = C.absorb([(dst.data_ptr(), grad.data_ptr(), kernel.KINDS[dtype], 0, 0, 0, 0, 0, n, 0, mode)],
+            bad = C.absorb([(dst.data_ptr(), grad.data_ptr(), onepass.KINDS[dtype], 0, 0, 0, 0, 0, n, 0, mode)],
                            2, inv, found.data_ptr())
             # what the end-of-backward path computes: a copy, torch's unscale-and-check, an add
             v = grad.float()
@@ -665,7 +665,7 @@ def test_absorb_gives_torchs_copy_unscale_and_add_bit_for_bit(isa, dtype, n):
             poisoned = grad.clone()
             poisoned[n - 1] = bad_value
             dst, found = torch.empty(n), torch.zeros(())
-            assert C.absorb([(dst.data_ptr(), poisoned.data_ptr(), kernel.KINDS[dtype], 0, 0, 0, 0, 0, n, 0, 0)],
+            assert C.absorb([(dst.data_ptr(), poisoned.data_ptr(), onepass.KINDS[dtype], 0, 0, 0, 0, 0, n, 0, 0)],
                             1, 0.5, found.data_ptr())
             assert found.item() == 1.0
     finally:

@@ -2,7 +2,7 @@
 
 The plain O2 step runs the optimizer's update over the FP32 masters (a
 multi-tensor pass per state tensor) and then copies the masters into the half
-model, one more pass. ``_fusedstep.c`` does it in one pass: it reads each
+model, one more pass. ``_onepass.c`` does it in one pass: it reads each
 gradient once, updates the FP32 master and the optimizer state, and writes the
 half weight. It starts at once (no compiler at run time), is vectorized for
 the CPU it finds, and uses up to torch's intra-op thread count (one thread
@@ -70,7 +70,7 @@ Tensor = torch.Tensor
 f32 = torch.float32
 
 try:
-    from . import _fusedstep as native
+    from . import _onepass as native
     UNAVAILABLE = ""
 except ImportError as exc:  # no compiler at install: the plain step
     native = None  # type: ignore[assignment]
@@ -84,7 +84,7 @@ if native is not None and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
     native = None  # type: ignore[assignment]
     UNAVAILABLE = "torch runs its DEFAULT CPU kernels (no AVX2), whose updates the one-pass step does not match bit for bit"
 
-#: the gradient / half-weight dtypes the kernel reads and writes, and their codes in _fusedstep.c
+#: the gradient / half-weight dtypes the kernel reads and writes, and their codes in _onepass.c
 KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _FLAGS = ("foreach", "fused", "capturable", "differentiable")
 SGD, ADAM, ADAMW = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
@@ -92,7 +92,7 @@ SGD, ADAM, ADAMW = torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
 
 def refused(optimizer: torch.optim.Optimizer, step: Optional[Callable[..., Any]] = None) -> Optional[str]:
     """Why the kernel cannot take this optimizer's step now, or None when it can
-    (as far as the optimizer goes; the tensors are checked by ``KernelStep.plan``).
+    (as far as the optimizer goes; the tensors are checked by ``OnePassStep.plan``).
 
     ``step`` is the callable the plain step would call (the optimizer's own
     ``step``): one that is not the class's, or any step hook, is the user's
@@ -156,7 +156,7 @@ def sqrt_mode() -> str:
     the plain step; ``"ieee"``: the CPU's correctly rounded one, which is what
     this torch's ``sqrt`` gives, bit for bit too; ``"approximate"``: neither
     matches, and Adam's masters stay within a few ulps of the plain step's
-    (tests/precision/test_fused_step_c.py states the bound). "" when the kernel is not built.
+    (tests/precision/test_onepass_step.py states the bound). "" when the kernel is not built.
     """
     if native is None:
         return ""
@@ -178,12 +178,12 @@ class Entry(NamedTuple):
     p: Tensor
     g: Tensor
     h: Optional[Tensor]
-    state: Optional[Tuple[Optional[Tensor], ...]]  # (a, b, c, step): see _fusedstep.c's Item
+    state: Optional[Tuple[Optional[Tensor], ...]]  # (a, b, c, step): see _onepass.c's Item
     key: Optional[Tensor] = None  # the optimizer's parameter where ``p`` is its local shard
 
 
 class Item(NamedTuple):
-    """One tensor's work as ``_fusedstep.c`` reads it (a tuple: the C side parses it by
+    """One tensor's work as ``_onepass.c`` reads it (a tuple: the C side parses it by
     position, ``parse_items``; the names say what each position holds). Addresses are
     ints, 0 where absent; kinds are ``KINDS``' codes."""
 
@@ -201,7 +201,7 @@ class Item(NamedTuple):
 
 
 class Move(NamedTuple):
-    """One half gradient moved into its FP32 destination (``_fusedstep.c``'s ``absorb``):
+    """One half gradient moved into its FP32 destination (``_onepass.c``'s ``absorb``):
     the same positions as ``Item``, the state slots empty and the last one the mode."""
 
     dst: int  # the FP32 destination
@@ -263,7 +263,7 @@ def _ptr(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-#: ``absorb``'s modes (``_fusedstep.c``'s ``ABS_*``): the FP32 destination takes the
+#: ``absorb``'s modes (``_onepass.c``'s ``ABS_*``): the FP32 destination takes the
 #: gradient (``WRITE``), adds it (``ADD``), or adds it to zero as a zeroed buffer
 #: would (``ZERO_ADD``: -0 becomes +0)
 WRITE, ADD, ZERO_ADD = 0, 1, 2
@@ -288,7 +288,7 @@ def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: Union[float, Tensor], f
         native.absorb(items, threads, inv, found)
 
 
-class KernelStep:
+class OnePassStep:
     """The one-pass step of one optimizer (see the module docstring).
 
     With ``masters`` (O2/O5) it updates the FP32 masters and writes the half

@@ -11,7 +11,7 @@ leaves there (unscaled and checked as it ends), so the skip decision and
 everything user code did to them before the step (clipping, ``unscale_``)
 are the plain step's.
 
-Where the one-pass C step (``kernel.py``, the O2/O5 default where it is
+Where the one-pass C step (``onepass.py``, the O2/O5 default where it is
 built) can take a step it does, under ``fused_update=True`` too: it starts at
 once and is faster. This compiled update is for the rest of what it covers
 (CUDA or non-contiguous tensors, or no C compiler at install).
@@ -156,7 +156,7 @@ class Plan(NamedTuple):
     hyper: List[Tuple[Any, ...]]
 
 
-class FusedUpdate:
+class CompiledUpdate:
     """The fused update of one optimizer's FP32 masters (see the module docstring)."""
 
     _compiled: Dict[str, Callable[..., Any]] = {}  # one compiled function per kernel, shared by every optimizer
