@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..base.view import SessionView
 from .stats import Ledger
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from .overflow import _OverflowWatch
 
 
-class Diagnostics:
+class Diagnostics(SessionView):
     """The op ledger, the loss log and the overflow watch of one session, and
     the views ``report()`` reads.
 
@@ -49,12 +50,10 @@ class Diagnostics:
                  scalers: Callable[[], Sequence[Any]],
                  fp8: Callable[[], List[Dict[str, Any]]],
                  collect_stats: bool = False):
-        self.undo = undo
-        self._config = config
+        super().__init__(undo, config, models)
         self.device_type = device_type
         self.patcher = patcher
         self.table = table
-        self._models = models
         self._scalers = scalers
         self._fp8 = fp8
         #: the op ledger when ``collect_stats=True``, else None; the casting wrappers
@@ -64,16 +63,6 @@ class Diagnostics:
         self.losses: Optional["LossLog"] = None
         #: overflow provenance while armed (``overflow.arm_find_overflow``), else None
         self.watch: Optional["_OverflowWatch"] = None
-
-    @property
-    def config(self) -> "AmpConfig":
-        """The session's settings as they are now."""
-        return self._config()
-
-    @property
-    def models(self) -> Sequence[torch.nn.Module]:
-        """The models the session holds."""
-        return self._models()
 
     def scalers(self) -> Sequence[Any]:
         """The session's loss scalers (``scaling.scaler.LossScaler``, a floor above)."""

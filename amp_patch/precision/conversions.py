@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 import torch
 
 from ..base import running
+from ..base.view import SessionView
 
 if TYPE_CHECKING:
     from ..base.undo import Owned
@@ -36,7 +37,7 @@ class _Forget:
         del self.items[self.n:]
 
 
-class Conversions:
+class Conversions(SessionView):
     """The model conversions and FP8 layers of one session, and their look-ups.
 
     Args:
@@ -57,9 +58,7 @@ class Conversions:
                  known: Callable[[torch.optim.Optimizer], bool],
                  attached: Callable[[torch.optim.Optimizer], bool],
                  live: Callable[[], bool]):
-        self.undo = undo
-        self._config = config
-        self._models = models
+        super().__init__(undo, config, models)
         self._masters = masters
         self.known = known
         self.attached = attached
@@ -68,16 +67,6 @@ class Conversions:
         self.records: List["Conversion"] = []
         #: O6/O7: one record per model of its FP8 layers (``fp8.attach``)
         self.fp8: List["Fp8Model"] = []
-
-    @property
-    def config(self) -> "AmpConfig":
-        """The session's settings as they are now."""
-        return self._config()
-
-    @property
-    def models(self) -> Sequence[torch.nn.Module]:
-        """The models the session holds."""
-        return self._models()
 
     def masters(self) -> Iterable["MasterWeights"]:
         """The FP32 masters of every optimizer that has them."""

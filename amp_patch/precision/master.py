@@ -23,16 +23,15 @@ call, never as a Python loop of tensor ops per parameter.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from ..patching.cast import LOW
-from . import onepass, writes
+from . import onepass
+from .master_parts import EarlyMoves, ModelGrads, WeightWrites
 
 if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
-
     from .conversions import Conversions
 
 Tensor = torch.Tensor
@@ -115,19 +114,16 @@ class MasterWeights:
     Lists are index-aligned: ``halfs[i]`` is the model's parameter,
     ``masters[i]`` its FP32 master in the optimizer, ``grads[i]`` the master's
     persistent gradient buffer (allocated on first use).
+
+    Three collaborators keep what goes on around those lists between steps, each
+    reading them through this object: ``early_moves`` (half gradients moved into the
+    masters while a backward runs), ``model_view`` (the model's ``.grad`` as a view of
+    the masters' gradients) and ``weight_writes`` (writes through the half weights or
+    the masters between steps).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model_grads: bool = False, watch_writes: bool = False):
         self.optimizer = optimizer
-        #: writes through the half parameters' ``.data`` are noted (``writes``): a session's
-        #: masters, whose undo (``restore``) takes the property off again
-        self.watch_writes = watch_writes
-        #: after each backward the model's ``.grad`` reads each master's true gradient, in the
-        #: half dtype (``mirror``), and edits made there reach the step (``take_model_grads``);
-        #: False: half gradients move into the masters and the model's ``.grad`` stays None
-        self.model_grads = model_grads
-        #: per parameter, (the half gradient ``mirror`` wrote, its version after the write), or None
-        self.mirrors: List[Optional[Tuple[Tensor, int]]] = []
         self.halfs: List[Tensor] = []
         self.masters: List[Tensor] = []
         self.grads: List[Optional[Tensor]] = []
@@ -135,40 +131,18 @@ class MasterWeights:
         self.index: Dict[int, int] = {}  # id(half or master) -> i
         #: where this step's gradient sum is (the masters', the model's, zeroed buffers)
         self.sum = GradSum()
-        #: each master's version counter when it was last copied into the half model: a write
-        #: through a ``state_dict()`` view or ``master_params`` reaches the model (``sync_written``)
-        self.versions: List[int] = []
-        #: (inverse scale, address of the FP32 inf/NaN flag or 0) while a backward moves each half
-        #: gradient into its master as autograd finishes it (``arm``); None otherwise
-        self.armed: Optional[Tuple[Union[float, Tensor], int]] = None
-        #: the masters the armed backward has given a gradient so far (``collect_grads`` takes them)
-        self.absorbed: Set[int] = set()
-        #: one post-accumulate-grad hook handle per half parameter (None: it needs no gradient)
-        self.hooks: List["RemovableHandle"] = []
-        #: ids of half parameters whose ``.data`` was read or replaced since the last look (``writes``)
-        self.touched: Set[int] = set()
-        #: each half parameter's version counter when the masters were last copied into it
-        self.half_versions: List[int] = []
+        #: moves each half gradient into its master as autograd finishes it (``arm``)
+        self.early_moves = EarlyMoves(self)
+        #: with ``model_grads``, after each backward the model's ``.grad`` reads each master's
+        #: true gradient, in the half dtype, and edits made there reach the step; without it
+        #: half gradients move into the masters and the model's ``.grad`` stays None
+        self.model_view = ModelGrads(self, model_grads)
+        #: with ``watch_writes``, writes through the half parameters' ``.data`` are noted
+        #: (``writes``): a session's masters, whose undo (``restore``) takes the property off again
+        self.weight_writes = WeightWrites(self, watch_writes)
 
     def __len__(self) -> int:
         return len(self.halfs)
-
-    # ------------------------------------------------------------ writes through state_dict
-
-    @torch.no_grad()
-    def sync_written(self) -> None:
-        """Copy every master written since the last look (a ``state_dict()`` view's
-        ``copy_``, an edit through ``master_params``, its ``.data``) into its half
-        parameter: run before each forward of a converted model."""
-        versions, touched = self.versions, self.touched
-        for i, m in enumerate(self.masters):
-            v = m._version
-            if v != versions[i] or (touched and id(m) in touched):
-                h = self.halfs[i]
-                h.copy_(m)
-                versions[i] = v
-                self.half_versions[i] = h._version
-                touched.discard(id(m))
 
     # ------------------------------------------------------------ building
 
@@ -177,6 +151,7 @@ class MasterWeights:
         """Put masters in place of the half parameters of one param group (``dtypes``:
         the dtype before ``initialize`` of a parameter ``originals`` lacks, by id)."""
         opt = self.optimizer
+        mirrors, ww = self.model_view.mirrors, self.weight_writes
         params = group["params"]
         for j, p in enumerate(params):
             if p.dtype not in LOW:
@@ -198,12 +173,8 @@ class MasterWeights:
             self.masters.append(master)
             self.grads.append(master.grad)
             self.dtypes.append(dtype)
-            self.mirrors.append(None)
-            self.half_versions.append(p._version)
-            self.versions.append(master._version)
-            if self.watch_writes:
-                writes.watch(self, p)
-                writes.watch(self, master)
+            mirrors.append(None)
+            ww.add(p, master)
             self.index[id(p)] = i
             self.index[id(master)] = i
 
@@ -217,64 +188,6 @@ class MasterWeights:
         i = self.index.get(id(param))
         return i is not None and self.masters[i] is param
 
-    # ------------------------------------------------------------ per backward, as gradients arrive
-
-    def can_arm(self) -> bool:
-        """Whether a backward can move each half gradient into its master as it arrives:
-        the one-pass C routine is built and the masters are on the CPU (a single process;
-        the caller checks that)."""
-        return (not self.model_grads and onepass.native is not None and bool(self.masters)
-                and self.masters[0].device.type == "cpu")
-
-    def arm(self, inv: Union[float, Tensor], found: int) -> None:
-        """From now until ``disarm``, each half gradient autograd finishes is moved into
-        its master's FP32 gradient at once, multiplied by ``inv`` and checked for inf/NaN
-        into the FP32 flag at address ``found`` (0: not checked), and the half gradient is
-        dropped: the half and FP32 gradients of the whole model are never alive together.
-        Only gradients whose FP32 memory exists already move early (a buffer kept through
-        ``zero_grad``, a gradient to add to); the others wait for the backward's end.
-        ``collect_grads`` at the backward's end takes what the hooks left (a gradient they
-        cannot take) and does the bookkeeping."""
-        hooks = self.hooks
-        for h in self.halfs[len(hooks):]:
-            hooks.append(h.register_post_accumulate_grad_hook(self._hook(len(hooks))) if h.requires_grad else None)
-        self.absorbed.clear()
-        self.armed = (inv, found)
-
-    def disarm(self) -> None:
-        self.armed = None
-
-    def _hook(self, i: int) -> Callable[[Tensor], None]:
-        def absorb(half: Tensor) -> None:
-            if self.armed is not None:
-                self._absorb(i, half)
-
-        return absorb
-
-    def _absorb(self, i: int, half: Tensor) -> None:
-        g = half.grad
-        # what the C routine takes, of the half's dtype, and no other hook of this
-        # parameter still wants to see it
-        if g is None or g.dtype is not half.dtype or not onepass.absorbable(g) or len(half._post_accumulate_grad_hooks) != 1:
-            return
-        m = self.masters[i]
-        # Only into memory that exists already: a buffer allocated here would be taken
-        # while the backward's activations are still alive, raising the peak by more than
-        # the half gradient frees. Buffers zero_grad released are made at the backward's end.
-        if i in self.absorbed or self.sum.partial:
-            dst, mode = m.grad, onepass.ADD
-            if dst is None:
-                dst, mode = self.grads[i], onepass.ZERO_ADD  # as adding into a zeroed buffer
-        else:
-            dst, mode = self.grads[i], onepass.WRITE
-        if dst is None or dst.dtype is not f32 or not onepass.dense(dst, m.numel()):
-            return  # no buffer yet, or a gradient user code put there: collect_grads takes it
-        onepass.absorb([(dst, g, mode)], *self.armed)  # type: ignore[misc]
-        if mode != onepass.ADD:
-            m.grad = dst
-        half.grad = None
-        self.absorbed.add(i)
-
     # ------------------------------------------------------------ per step
 
     def collect_grads(self, unscale: Optional[Callable[[List[Tensor]], None]], keep_half: bool = False) -> None:
@@ -286,11 +199,11 @@ class MasterWeights:
         running sum DDP's all-reduce reads, and the masters get an unscaled
         copy of the whole sum; the step drops them (``consumed``).
         """
-        halfs, masters = self.halfs, self.masters
-        absorbed = self.absorbed  # the masters an armed backward's hooks gave their gradient already
-        self.take_model_grads()
-        mirrors = self.mirrors
-        # a gradient mirror() wrote is the master's already (take_model_grads took any edit)
+        halfs, masters, view = self.halfs, self.masters, self.model_view
+        absorbed = self.early_moves.absorbed  # the masters an armed backward's hooks gave their gradient already
+        view.take()
+        mirrors = view.mirrors
+        # a gradient mirror() wrote is the master's already (take() took any edit)
         idx = [i for i, h in enumerate(halfs) if h.grad is not None and (mirrors[i] is None or mirrors[i][0] is not h.grad)]
         if not idx and not absorbed:
             return
@@ -302,7 +215,7 @@ class MasterWeights:
         if not self.sum.partial:
             fresh = [i for i in idx if i not in absorbed] if absorbed else idx
             if fresh:
-                bufs = [self._buffer(i) for i in fresh]
+                bufs = [self.buffer(i) for i in fresh]
                 if not self._absorb_all(fresh, bufs, unscale):
                     torch._foreach_copy_(bufs, [halfs[i].grad for i in fresh])
                     if unscale is not None:
@@ -328,18 +241,18 @@ class MasterWeights:
                 unscale(incoming)
             for i in added:
                 if masters[i].grad is None:
-                    masters[i].grad = self._buffer(i).zero_()
+                    masters[i].grad = self.buffer(i).zero_()
             torch._foreach_add_([masters[i].grad for i in added], incoming)
         absorbed.clear()
         if sparse:
             self._collect_sparse(sorted(sparse), unscale)
         if keep_half:
-            if self.model_grads:
-                self.mirror()  # the scaled sum comes back before the next backward (rescale_model_grads)
+            if view.on:
+                view.mirror()  # the scaled sum comes back before the next backward (ModelGrads.rescale)
             return
         self.sum.backward(keep_half=False)
-        if self.model_grads:
-            self.mirror()
+        if view.on:
+            view.mirror()
             return
         for i in idx:
             halfs[i].grad = None
@@ -365,105 +278,13 @@ class MasterWeights:
         onepass.absorb(moves, inv, found)
         return True
 
-    # ------------------------------------------------------------ the model's view of the gradients
-
-    @torch.no_grad()
-    def mirror(self) -> None:
-        """Make each half parameter's ``.grad`` read its master's true gradient, rounded
-        to the half dtype (in place where autograd left a half gradient, so DDP's bucket
-        views and references a script holds stay valid), and note each one's version,
-        so ``take_model_grads`` can tell which a script edited."""
-        dst: List[Tensor] = []
-        src: List[Tensor] = []
-        for i, (h, m) in enumerate(zip(self.halfs, self.masters)):
-            mg = m.grad
-            g = h.grad
-            if mg is None:
-                if g is not None and self.mirrors[i] is not None:
-                    h.grad = None  # the master's gradient went (a skipped step, zero_grad)
-                self.mirrors[i] = None
-                continue
-            if mg.is_sparse:
-                h.grad = mg.to(h.dtype)
-                self.mirrors[i] = (h.grad, h.grad._version)
-                continue
-            if g is None or g.is_sparse or g.dtype is not h.dtype or g.shape != h.shape:
-                g = h.grad = torch.empty_like(h, memory_format=torch.preserve_format)
-            dst.append(g)
-            src.append(mg)
-        if dst:
-            torch._foreach_copy_(dst, src)
-        for i, h in enumerate(self.halfs):
-            g = h.grad
-            if g is not None:
-                self.mirrors[i] = (g, g._version)
-
-    @torch.no_grad()
-    def take_model_grads(self) -> None:
-        """The edits a script made to the model's ``.grad`` since ``mirror`` (an in-place
-        ``clamp_``/``mul_``/``zero_``, an assignment, ``module.zero_grad()``) reach the
-        masters: an edited gradient replaces its master's (made FP32), a cleared one
-        clears it. Version counters tell which changed."""
-        mirrors = self.mirrors
-        for i, h in enumerate(self.halfs):
-            rec = mirrors[i]
-            if rec is None:
-                continue
-            g = h.grad
-            if g is rec[0] and g._version == rec[1]:
-                continue
-            m = self.masters[i]
-            if g is None:
-                m.grad = None
-                mirrors[i] = None
-                continue
-            if g.is_sparse:
-                m.grad = g.float()
-            else:
-                m.grad = self._buffer(i).copy_(g)
-            mirrors[i] = (g, g._version)
-
-    def drop_model_grads(self) -> None:
-        """Before a backward amp_patch runs: the model's mirrored gradients go (the masters
-        hold them, edits taken first), so the backward's own arrive alone, to be added to
-        the masters' FP32 sum, not to a rounded copy of it."""
-        if not self.model_grads:
-            return
-        self.take_model_grads()
-        for i, rec in enumerate(self.mirrors):
-            if rec is not None:
-                self.halfs[i].grad = None
-                self.mirrors[i] = None
-
-    @torch.no_grad()
-    def rescale_model_grads(self, scale: Union[float, Tensor]) -> None:
-        """Under DDP, before a backward: the model's mirrored gradients become the
-        scaled running sum again (the masters' sum times ``scale``, exact: the master
-        is that half sum unscaled by a power of two), in place, where DDP's next
-        all-reduce adds to it; edits the script made are taken first."""
-        if not self.model_grads:
-            return
-        self.take_model_grads()
-        dst, src = [], []
-        for i, rec in enumerate(self.mirrors):
-            if rec is None:
-                continue
-            self.mirrors[i] = None
-            g, mg = self.halfs[i].grad, self.masters[i].grad
-            if mg is None or g is None or g.is_sparse:
-                continue
-            dst.append(g)
-            src.append(mg)
-        if dst:
-            # a tensor scale (sync-free steps) is never compared on the host
-            torch._foreach_copy_(dst, torch._foreach_mul(src, scale) if isinstance(scale, Tensor) or scale != 1.0 else src)
-
     def absorb_true_grads(self) -> None:
         """Half gradients a backward amp_patch did not scale left in the model
         (``torch.autograd.backward``, ``backward(gradient=...)``) join the
         masters' sum as they are."""
-        self.take_model_grads()
-        mirrors = self.mirrors
+        view = self.model_view
+        view.take()
+        mirrors = view.mirrors
         if any(h.grad is not None and (mirrors[i] is None or mirrors[i][0] is not h.grad)
                for i, h in enumerate(self.halfs)):
             self.collect_grads(None)
@@ -479,7 +300,8 @@ class MasterWeights:
             m = self.masters[i]
             m.grad = g if not self.sum.partial or m.grad is None else (m.grad + g).coalesce()
 
-    def _buffer(self, i: int) -> Tensor:
+    def buffer(self, i: int) -> Tensor:
+        """Master ``i``'s persistent FP32 gradient buffer, allocated on first use."""
         buf = self.grads[i]
         if buf is None:
             buf = self.grads[i] = torch.empty_like(self.masters[i], memory_format=torch.preserve_format)
@@ -490,38 +312,12 @@ class MasterWeights:
         """Copy the masters into the half model after a step (one multi-tensor copy)."""
         if self.halfs:
             torch._foreach_copy_(self.halfs, self.masters)
-            self.note_halfs()
-
-    def note_halfs(self) -> None:
-        """The half model now holds the masters' values: what changes either from here is the script's."""
-        self.half_versions = [h._version for h in self.halfs]
-        self.versions = [m._version for m in self.masters]
-        self.touched.clear()
-
-    @torch.no_grad()
-    def take_model_writes(self) -> None:
-        """Writes the script made to the half model since the masters were last copied
-        into it (``.data`` writes, ``no_grad`` edits, see ``writes``) reach the masters:
-        each element that differs from its master rounded to half takes the half value."""
-        touched, versions = self.touched, self.half_versions
-        if not touched and all(h._version == v for h, v in zip(self.halfs, versions)):
-            return
-        for i, h in enumerate(self.halfs):
-            if id(h) not in touched and h._version == versions[i]:
-                continue
-            m = self.masters[i]
-            if h.shape != m.shape:  # the script replaced the whole tensor
-                m.data = h.detach().float()
-                continue
-            wrote = h.ne(m.to(h.dtype))
-            if wrote.any():
-                m.copy_(torch.where(wrote, h.float(), m))
-        self.note_halfs()
+            self.weight_writes.note()
 
     def consumed(self) -> None:
         """A step (taken or skipped) used up the masters' gradients (``GradSum.step``);
         the half sum DDP kept in the model goes with it."""
-        self.absorbed.clear()
+        self.early_moves.absorbed.clear()
         if self.sum.step():
             for h in self.halfs:
                 h.grad = None
@@ -535,8 +331,9 @@ class MasterWeights:
         backward does not reach it, updates it as FP32 would (momentum,
         weight decay, Adam's moments).
         """
+        mirrors, on = self.model_view.mirrors, self.model_view.on
         for i, h in enumerate(self.halfs):
-            self.mirrors[i] = None
+            mirrors[i] = None
             if h.grad is not None:
                 if set_to_none:
                     h.grad = None
@@ -548,10 +345,10 @@ class MasterWeights:
                         g.requires_grad_(False)
                     g.zero_()
                     if self.masters[i].grad is None:
-                        self.masters[i].grad = self._buffer(i).zero_()
-                    if self.model_grads:
-                        self.mirrors[i] = (g, g._version)
-        self.absorbed.clear()
+                        self.masters[i].grad = self.buffer(i).zero_()
+                    if on:
+                        mirrors[i] = (g, g._version)
+        self.early_moves.absorbed.clear()
         self.sum.zero_grad(set_to_none)
         if set_to_none and self.masters:
             # The FP32 gradient buffers go with the gradients, so they are not held
@@ -588,13 +385,9 @@ class MasterWeights:
     def restore(self) -> None:
         """Give the model's parameters back to the optimizer, holding the masters' values."""
         opt = self.optimizer
-        self.take_model_grads()
-        self.take_model_writes()
-        for hook in self.hooks:
-            if hook is not None:
-                hook.remove()
-        self.hooks, self.armed = [], None
-        self.absorbed.clear()
+        self.model_view.take()
+        self.weight_writes.take()
+        self.early_moves.remove()
         where = {id(p): (g, j) for g in opt.param_groups for j, p in enumerate(g["params"])}
         for h, m, dtype in zip(self.halfs, self.masters, self.dtypes):
             h.grad = None
@@ -606,13 +399,8 @@ class MasterWeights:
                 loc[0]["params"][loc[1]] = h
             if m in opt.state:
                 opt.state[h] = _state_to(opt.state.pop(m), dtype)
-        if self.watch_writes:
-            for h, m in zip(self.halfs, self.masters):
-                writes.unwatch(h)
-                writes.unwatch(m)
-        self.halfs, self.masters, self.grads, self.dtypes, self.mirrors, self.index = [], [], [], [], [], {}
-        self.half_versions = []
-        self.touched.clear()
+        self.weight_writes.release()
+        self.halfs, self.masters, self.grads, self.dtypes, self.model_view.mirrors, self.index = [], [], [], [], [], {}
 
 
 def lookup(conv: Optional["Conversions"], param: Tensor) -> Optional[Tensor]:

@@ -127,7 +127,7 @@ class SaveFP32:
             m = master.lookup(conv, p)
             value = state_dict[key]
             if m is not None:
-                conv.masters_holding(m).take_model_writes()  # a write to the half model since the step counts
+                conv.masters_holding(m).weight_writes.take()  # a write to the half model since the step counts
                 if to == f32:
                     # a view of the master, as plain torch returns a view of the
                     # parameter: a write into it reaches the half model too
@@ -193,7 +193,7 @@ class SyncWritten:
                 f"for another half dtype, deinitialize and initialize again with half_dtype=..."
             )
         for mw in conv.masters():
-            mw.sync_written()
+            mw.weight_writes.sync()
         for rec in conv.records:
             for e in rec.handed_out.values():
                 e.sync()

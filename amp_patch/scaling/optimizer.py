@@ -61,8 +61,8 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
     decide_skips(run)
     if mw is not None:
         # what the script did to the model since the backward reaches the masters
-        mw.take_model_grads()
-        mw.take_model_writes()
+        mw.model_view.take()
+        mw.weight_writes.take()
     decision = h.skip
     if isinstance(decision, Tensor):
         # sync-free: a step that reads the device flag itself. The flag stands until
@@ -71,7 +71,7 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
         if taken:
             h.count(decision)
             if mw is not None:
-                mw.note_halfs()
+                mw.weight_writes.note()
                 mw.consumed()
             return out
     # the decision on the host: under sync-free steps, the one sync of a step no link
@@ -85,7 +85,7 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
         out = steps.take(h, False, closure is not None, args, kwargs)[1]
     h.count(skip)
     if mw is not None:
-        mw.note_halfs()
+        mw.weight_writes.note()
         mw.consumed()
     return out
 

@@ -514,9 +514,9 @@ def before_backward(run: LossScaling, handles: Sequence[Handle], loss_id: int) -
             _absorb(h)
         if has_masters:
             if dist:
-                h.masters.rescale_model_grads(loss_factor(scaler, h.masters.masters[0]) if scaled else 1.0)
+                h.masters.model_view.rescale(loss_factor(scaler, h.masters.masters[0]) if scaled else 1.0)
             else:
-                h.masters.drop_model_grads()
+                h.masters.model_view.drop()
         if h.stage is Stage.SCALED or not scaled:
             continue
         if dist:
@@ -532,7 +532,7 @@ def _forget_dropped(h: Handle) -> None:
     next step is decided by the backwards whose gradients it applies. The loss
     scale still backs off for the overflow at the next decision."""
     if h.masters is not None:
-        h.masters.take_model_grads()
+        h.masters.model_view.take()
     if any(p.grad is not None for g in h.optimizer.param_groups for p in g["params"]):
         return
     h.fed_by.clear()
@@ -548,25 +548,25 @@ class Armed:
 
     def disarm(self) -> None:
         for mw in self.masters:
-            mw.disarm()
+            mw.early_moves.disarm()
 
 
 def arm(run: LossScaling, handles: Sequence[Handle], loss_id: int) -> Optional[Armed]:
     """Before a backward of ``loss_id`` whose end unscales (no ``delay_unscale``): have
     the masters of ``handles`` take each half gradient, unscaled and checked, as soon
-    as autograd finishes it (``MasterWeights.arm``), so the model's half gradients and
+    as autograd finishes it (``EarlyMoves.arm``), so the model's half gradients and
     the masters' FP32 ones are not all alive together. A single process on the CPU
     only: DDP's all-reduce reads the half gradients after the backward. Returns what
     ``after_backward`` needs, or None when nothing was armed."""
     if distributed():
         return None
-    mws = [h.masters for h in handles if h.masters is not None and h.masters.can_arm()]
+    mws = [h.masters for h in handles if h.masters is not None and h.masters.early_moves.can_arm()]
     if not mws:
         return None
     unscale = run.unscaler(loss_id)
     inv, found = unscale.cpu_args() if unscale is not None else (1.0, 0)
     for mw in mws:
-        mw.arm(inv, found)
+        mw.early_moves.arm(inv, found)
     return Armed(loss_id, unscale, mws)
 
 

@@ -479,7 +479,7 @@ def test_functional_call_with_fp32_parameters_at_o2_computes_in_fp32():
 
 
 from amp_patch.base import running  # noqa: E402
-from amp_patch.precision import onepass as _kernel, master as _master  # noqa: E402
+from amp_patch.precision import onepass as _kernel, master as _master, master_parts as _master_parts  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(_kernel.native is None, reason="the C step kernel is not built here")
 
@@ -507,7 +507,7 @@ def _o2_loop(half_dtype, monkeypatch, hooked, how="plain", zero="optimizer", bac
     ``model_grads=False``) or at their end (the model's .grad then mirrors them, under
     ``model_grads=True``)."""
     if not hooked:
-        monkeypatch.setattr(_master.MasterWeights, "can_arm", lambda self: False)
+        monkeypatch.setattr(_master_parts.EarlyMoves, "can_arm", lambda self: False)
     model = net()
     opt = sgd(model, lr=0.05)
     grads, extra = [], {} if half_dtype == torch.bfloat16 else dict(loss_scale=scale)
