@@ -126,3 +126,17 @@ def test_no_issue_numbers_in_the_docs_the_benchmarks_or_results_headings():
     texts["benchmarks/RESULTS.md headings"] = "\n".join(re.findall(r"^#+ .*$", results, flags=re.M))
     found = [f"{where}: {m.group(0)}" for where, text in texts.items() for m in ISSUE.finditer(text)]
     assert found == []
+
+
+def test_the_phase_benchmark_splits_each_mode_s_step_and_writes_nothing(capsys, tmp_path, monkeypatch):
+    """``benchmarks/phases.py`` times forward, backward and step apart for every
+    mode, each ratio against autocast's phase, prints the table, and writes no file."""
+    monkeypatch.chdir(tmp_path)
+    phases = _load("phases")
+    phases.main(["--scale", "0.05", "--rounds", "2", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert "| mode | forward | backward | step | whole step |" in out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "x)" in line}
+    assert sorted(rows) == sorted(phases.MODES)
+    assert rows["autocast"].count("(1.00x)") == 4  # each phase against itself
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,121 @@
+"""Where a step's time goes: forward, backward and optimizer step, timed apart,
+for torch.autocast, O2 and O3 (and FP32) on one of the suite's CPU workloads.
+
+    python benchmarks/phases.py                                   # simplenet, BF16
+    python benchmarks/phases.py --workloads simplenet transformer --rounds 9
+
+The suite (``suite.py``) times whole steps; this splits them, for finding what
+is left around the GEMMs on a CPU whose BF16 matrix units make them fast
+(``amx_bf16``). Each round builds every mode afresh in this process and times
+a block of steps of each, in an order rotated every round, by the thread's CPU
+time; every figure is the median over rounds, and each ratio (to autocast's
+phase) is taken within a round, then the median. One thread, as the suite.
+Where the CPU has no BF16 instructions, torch emulates BF16 and the GEMMs take
+nearly the whole step: the script says so.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import amp_patch  # noqa: E402
+from amp_patch.diagnostics.setup_checks import cpu_has_native_bf16  # noqa: E402
+from workloads import build  # noqa: E402
+
+PHASES = ("forward", "backward", "step")
+MODES = ("fp32", "autocast", "O2", "O3")
+
+
+class Mode:
+    """One mode on a fresh copy of the workload, initialized for one block of steps."""
+
+    def __init__(self, name: str, workload: str, scale: float, half: torch.dtype):
+        self.name, self.half = name, half
+        self.w = build(workload, scale=scale)
+        self.model = self.w.model
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=self.w.lr, momentum=self.w.momentum)
+        if name in ("O2", "O3"):
+            self.model, self.opt = amp_patch.initialize(self.model, self.opt, name, half_dtype=half, verbosity=0)
+
+    def close(self) -> None:
+        if self.name in ("O2", "O3"):
+            amp_patch.deinitialize()
+
+    def steps(self, n: int, warm: int = 2) -> Dict[str, float]:
+        """Seconds of CPU time per step in each phase, over ``n`` steps after ``warm``."""
+        clock = time.thread_time
+        total = dict.fromkeys(PHASES, 0.0)
+        for i in range(warm + n):
+            x, y = self.w.batches[i % len(self.w.batches)]
+            t0 = clock()
+            if self.name == "autocast":
+                with torch.autocast("cpu", dtype=self.half):
+                    out = self.model(x)
+            else:
+                out = self.model(x)
+            loss = self.w.loss_fn(out.float(), y)
+            t1 = clock()
+            loss.backward()
+            t2 = clock()
+            self.opt.step()
+            self.opt.zero_grad()
+            t3 = clock()
+            if i >= warm:
+                for k, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
+                    total[k] += dt
+        return {k: v / n for k, v in total.items()}
+
+
+def run(workload: str, args: argparse.Namespace) -> None:
+    half = getattr(torch, args.dtype)
+    rounds: List[Dict[str, Dict[str, float]]] = []
+    for r in range(args.rounds):
+        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        got: Dict[str, Dict[str, float]] = {}
+        for name in order:
+            mode = Mode(name, workload, args.scale, half)
+            try:
+                got[name] = mode.steps(args.steps)
+            finally:
+                mode.close()
+        rounds.append(got)
+    print(f"\n{workload} (scale {args.scale}, {args.dtype}, {args.rounds} rounds of {args.steps} steps): "
+          f"ms of CPU time per step, median over rounds; (x autocast's phase, median of per-round ratios)")
+    print(f"| mode | {' | '.join(PHASES)} | whole step |")
+    print("|---|" + "---|" * (len(PHASES) + 1))
+    for name in MODES:
+        cells = []
+        for k in PHASES + ("whole",):
+            def val(rd: Dict[str, Dict[str, float]], m: str) -> float:
+                return sum(rd[m].values()) if k == "whole" else rd[m][k]
+            ms = statistics.median(val(rd, name) for rd in rounds) * 1e3
+            ratio = statistics.median(val(rd, name) / val(rd, "autocast") for rd in rounds if val(rd, "autocast") > 0)
+            cells.append(f"{ms:.2f} ({ratio:.2f}x)")
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
+def main(argv: List[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", nargs="+", default=["simplenet"], choices=["simplenet", "transformer", "convnet", "smallops"])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per mode per round")
+    p.add_argument("--scale", type=float, default=1.0, help="shrink or grow the workload, as suite.py's --scale")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    cpu = "native BF16 instructions" if cpu_has_native_bf16() else \
+        "no BF16 instructions: torch emulates BF16 here, so the GEMMs take nearly all of forward and backward"
+    print(f"torch {torch.__version__}, 1 thread; this CPU: {cpu}")
+    for w in args.workloads:
+        run(w, args)
+
+
+if __name__ == "__main__":
+    main()
