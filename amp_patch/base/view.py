@@ -8,12 +8,11 @@ the session holds.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 if TYPE_CHECKING:
-    from ..config import AmpConfig
     from .undo import Owned
 
 
@@ -22,20 +21,20 @@ class SessionView:
 
     Args:
         undo: the session's entries on the undo stack; every change is pushed there.
-        config: the session's settings now (a callable: a later ``initialize``
-            may replace them).
+        config: the session's settings now, its ``config.AmpConfig`` (a callable:
+            a later ``initialize`` may replace them; not imported here, a floor above).
         models: the models the session holds (a callable: later calls add some).
     """
 
-    def __init__(self, undo: "Owned", config: Callable[[], "AmpConfig"],
+    def __init__(self, undo: "Owned", config: Callable[[], Any],
                  models: Callable[[], Sequence[torch.nn.Module]]):
         self.undo = undo
         self._config = config
         self._models = models
 
     @property
-    def config(self) -> "AmpConfig":
-        """The session's settings as they are now."""
+    def config(self) -> Any:
+        """The session's settings as they are now (``config.AmpConfig``)."""
         return self._config()
 
     @property
