@@ -247,7 +247,7 @@ class Plan:
                     if items:
                         amp.patch(items)
             originals = model_side.attach(amp.precision, self.models, self.config)
-            fp8.attach(amp.precision, self.models, self.config, amp.ledger)
+            fp8.attach(amp.precision, self.models, self.config, amp.diagnostics.ledger)
             built = optimizers_side.attach(amp.precision, self.models, self.optimizers, originals, self.config)
             flight.watch(amp, self.models)
             optimizer_scaling.attach(amp.scaling, amp.undo, self.optimizers, built)
@@ -258,8 +258,9 @@ class Plan:
                 items = function_items(amp, self.registrations)
                 if items:
                     amp.patch(items)
-                if amp.config.patch_torch_functions and amp.ledger is not None:
-                    amp.ledger.start(amp.diagnostics)
+                ledger = amp.diagnostics.ledger
+                if amp.config.patch_torch_functions and ledger is not None:
+                    ledger.start(amp.diagnostics)
                 if amp.config.find_overflow:
                     diagnostics.arm_find_overflow(amp.diagnostics)
         except BaseException:

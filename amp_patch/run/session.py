@@ -36,7 +36,6 @@ from ..scaling.state import Hooks, LossScaling
 from ..base.inflight import InFlight
 
 if TYPE_CHECKING:
-    from ..diagnostics.stats import Ledger
     from ..precision.master import MasterWeights
     from ..scaling.scaler import LossScaler
     from ..scaling.state import Handle
@@ -124,11 +123,6 @@ class Session:
     def live(self) -> Live:
         """Off once the session is over (``casting.live``)."""
         return self.casting.live
-
-    @property
-    def ledger(self) -> Optional["Ledger"]:
-        """The op ledger when ``collect_stats=True`` (``casting.ledger``), else None."""
-        return self.casting.ledger
 
     def holds(self, model: torch.nn.Module) -> bool:
         """True when ``model`` was passed to an ``initialize`` of this session."""

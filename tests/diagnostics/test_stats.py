@@ -232,7 +232,7 @@ def test_stats_off_costs_nothing():
     model = Net()
     amp_patch.initialize(model, opt_level="O1", verbosity=0)
     try:
-        assert running.session().ledger is None
+        assert running.session().diagnostics.ledger is None
         model(torch.randn(B, D_IN))
         # no watching mode, no observer: the patched ops run as without stats
         assert torch._C._len_torch_function_stack() == 0
