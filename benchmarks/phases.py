@@ -12,17 +12,27 @@ time; every figure is the median over rounds, and each ratio (to autocast's
 phase) is taken within a round, then the median. One thread, as the suite.
 Where the CPU has no BF16 instructions, torch emulates BF16 and the GEMMs take
 nearly the whole step: the script says so.
+
+``--around-gemms`` adds what such a CPU leaves once its GEMMs are fast, measured
+on any CPU: a few more steps of each mode run under ``torch.profiler``, and each
+phase's time outside the GEMM ops (``aten::mm``/``addmm``/``bmm``/``baddbmm``, the
+convolutions) is printed. These are the parts the GEMM units do not speed up, so
+this is where the time on an AMX CPU goes. Two costs it cannot split out: the
+profiler adds a few microseconds to every op, and memory a step allocates afresh is
+page-faulted in inside whichever op first writes it, a GEMM's output included.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, ContextManager, Dict, List
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import amp_patch  # noqa: E402
@@ -48,29 +58,65 @@ class Mode:
         if self.name in ("O2", "O3"):
             amp_patch.deinitialize()
 
-    def steps(self, n: int, warm: int = 2) -> Dict[str, float]:
-        """Seconds of CPU time per step in each phase, over ``n`` steps after ``warm``."""
-        clock = time.thread_time
-        total = dict.fromkeys(PHASES, 0.0)
-        for i in range(warm + n):
-            x, y = self.w.batches[i % len(self.w.batches)]
-            t0 = clock()
+    def step(self, i: int, phase: Callable[[str], ContextManager[None]]) -> None:
+        """Training step ``i``, each phase inside ``phase(name)``."""
+        x, y = self.w.batches[i % len(self.w.batches)]
+        with phase("forward"):
             if self.name == "autocast":
                 with torch.autocast("cpu", dtype=self.half):
                     out = self.model(x)
             else:
                 out = self.model(x)
             loss = self.w.loss_fn(out.float(), y)
-            t1 = clock()
+        with phase("backward"):
             loss.backward()
-            t2 = clock()
+        with phase("step"):
             self.opt.step()
             self.opt.zero_grad()
-            t3 = clock()
-            if i >= warm:
-                for k, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
-                    total[k] += dt
+
+    def steps(self, n: int, warm: int = 2) -> Dict[str, float]:
+        """Seconds of CPU time per step in each phase, over ``n`` steps after ``warm``."""
+        total = dict.fromkeys(PHASES, 0.0)
+        clock = time.thread_time
+        counting = False
+
+        @contextlib.contextmanager
+        def timed(name: str):
+            t0 = clock()
+            yield
+            if counting:
+                total[name] += clock() - t0
+
+        for i in range(warm + n):
+            counting = i >= warm
+            self.step(i, timed)
         return {k: v / n for k, v in total.items()}
+
+    def around_gemms(self, n: int) -> Dict[str, float]:
+        """Per phase, ms per step outside the GEMM ops over ``n`` profiled steps."""
+        self.step(0, lambda name: contextlib.nullcontext())  # warm, as the timed blocks are
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(n):
+                self.step(i, lambda name: record_function(MARK + name))
+        events = prof.events()
+        spans = [(e.name[len(MARK):], e.time_range.start, e.time_range.end) for e in events if e.name.startswith(MARK)]
+        rest = dict.fromkeys(PHASES, 0.0)
+        for name, start, end in spans:
+            rest[name] += end - start
+        for e in events:
+            if e.name in GEMMS:
+                for name, start, end in spans:
+                    if start <= e.time_range.start and e.time_range.end <= end:
+                        rest[name] -= e.self_cpu_time_total
+                        break
+        return {k: rest[k] / n / 1e3 for k in PHASES}
+
+
+#: the ops a BF16 matrix unit speeds up (their own time: a cast or add inside one is not theirs)
+GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkldnn_convolution",
+                   "aten::mkldnn_convolution", "aten::convolution_backward", "aten::_convolution",
+                   "aten::mkldnn_linear", "aten::_addmm_activation"})
+MARK = "phases::"
 
 
 def run(workload: str, args: argparse.Namespace) -> None:
@@ -86,6 +132,14 @@ def run(workload: str, args: argparse.Namespace) -> None:
             finally:
                 mode.close()
         rounds.append(got)
+    around: Dict[str, Dict[str, float]] = {}
+    if args.around_gemms:
+        for name in MODES:
+            mode = Mode(name, workload, args.scale, half)
+            try:
+                around[name] = mode.around_gemms(args.steps)
+            finally:
+                mode.close()
     print(f"\n{workload} (scale {args.scale}, {args.dtype}, {args.rounds} rounds of {args.steps} steps): "
           f"ms of CPU time per step, median over rounds; (x autocast's phase, median of per-round ratios)")
     print(f"| mode | {' | '.join(PHASES)} | whole step |")
@@ -99,6 +153,18 @@ def run(workload: str, args: argparse.Namespace) -> None:
             ratio = statistics.median(val(rd, name) / val(rd, "autocast") for rd in rounds if val(rd, "autocast") > 0)
             cells.append(f"{ms:.2f} ({ratio:.2f}x)")
         print(f"| {name} | {' | '.join(cells)} |")
+    if around:
+        print(f"\n{workload}, outside the GEMMs ({args.steps} profiled steps of each mode): "
+              f"ms per step (x autocast's phase)")
+        print(f"| mode | {' | '.join(PHASES)} | whole step |")
+        print("|---|" + "---|" * (len(PHASES) + 1))
+        for name in MODES:
+            got, ref = around[name], around["autocast"]
+            cells = []
+            for k in PHASES + ("whole",):
+                ms, base = (sum(got.values()), sum(ref.values())) if k == "whole" else (got[k], ref[k])
+                cells.append(f"{ms:.2f} ({ms / base:.2f}x)" if base > 0 else f"{ms:.2f}")
+            print(f"| {name} | {' | '.join(cells)} |")
 
 
 def main(argv: List[str] | None = None) -> None:
@@ -108,6 +174,8 @@ def main(argv: List[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps per mode per round")
     p.add_argument("--scale", type=float, default=1.0, help="shrink or grow the workload, as suite.py's --scale")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--around-gemms", action="store_true",
+                   help="also profile each phase's time outside the GEMMs, and the memory it page-faults in")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     cpu = "native BF16 instructions" if cpu_has_native_bf16() else \

@@ -130,13 +130,31 @@ def test_no_issue_numbers_in_the_docs_the_benchmarks_or_results_headings():
 
 def test_the_phase_benchmark_splits_each_mode_s_step_and_writes_nothing(capsys, tmp_path, monkeypatch):
     """``benchmarks/phases.py`` times forward, backward and step apart for every
-    mode, each ratio against autocast's phase, prints the table, and writes no file."""
+    mode, each ratio against autocast's phase, prints the table, and writes no file;
+    ``--around-gemms`` adds a second table, of each phase's time outside the GEMMs."""
     monkeypatch.chdir(tmp_path)
     phases = _load("phases")
-    phases.main(["--scale", "0.05", "--rounds", "2", "--steps", "1"])
+    phases.main(["--scale", "0.05", "--rounds", "2", "--steps", "1", "--around-gemms"])
     out = capsys.readouterr().out
-    assert "| mode | forward | backward | step | whole step |" in out
-    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "x)" in line}
-    assert sorted(rows) == sorted(phases.MODES)
-    assert rows["autocast"].count("(1.00x)") == 4  # each phase against itself
+    timed, around = out.split("outside the GEMMs")
+    for table in (timed, around):
+        assert "| mode | forward | backward | step | whole step |" in table
+        rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ") and "x)" in line}
+        assert sorted(rows) == sorted(phases.MODES)
+        assert rows["autocast"].count("(1.00x)") == 4  # each phase against itself
     assert not list(tmp_path.iterdir())
+
+
+def test_time_outside_the_gemms_leaves_out_exactly_the_gemm_ops():
+    """What ``--around-gemms`` subtracts: an FP32 step's forward outside its GEMMs is
+    far below its whole forward on a model made of matmuls, and nothing is negative."""
+    phases = _load("phases")
+    mode = phases.Mode("fp32", "simplenet", 0.25, torch.bfloat16)
+    try:
+        whole = mode.steps(2, warm=1)
+        rest = mode.around_gemms(2)
+    finally:
+        mode.close()
+    assert set(rest) == set(phases.PHASES)
+    assert all(v > 0 for v in rest.values())
+    assert rest["forward"] < 0.5 * whole["forward"] * 1e3  # ms against seconds: the addmms are most of it

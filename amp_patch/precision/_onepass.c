@@ -210,12 +210,21 @@ static void sqrt_scalar(const float *x, float *r, int64_t n) {
 /* Gradient absorption: p (an FP32 master gradient) takes the gradient g times inv, as
    torch's unscale-and-check computes it (the element is checked before the multiply, and
    inv == 1 multiplies nothing). it->init is the mode: ABS_WRITE p = v, ABS_ADD p = p + v,
-   ABS_ZERO_ADD p = 0 + v (what adding into a zeroed buffer gives, -0 becoming +0). */
+   ABS_ZERO_ADD p = 0 + v (what adding into a zeroed buffer gives, -0 becoming +0).
+   h (kind gk, or NULL): where the new p, rounded to the gradient's kind, is written too, in
+   the same pass: the model's .grad as a view of the master's (usually g itself, in place),
+   so it need not be read back from p afterwards. */
 enum { ABS_WRITE = 0, ABS_ADD = 1, ABS_ZERO_ADD = 2 };
+
+/* Whether absorb writes h: not where h is g and p = g exactly (written, not scaled), so
+   rounding p gives g back: the half gradient holds the view already. */
+static inline int writes_back(const Item *it, const Hyper *hp) {
+    return it->h != NULL && !(it->h == it->g && hp->inv == 1.0f && it->init == ABS_WRITE);
+}
 
 static int absorb_scalar(const Item *it, const Hyper *hp, int64_t lo, int64_t hi) {
     int bad = 0;
-    const int scale = hp->inv != 1.0f, mode = it->init;
+    const int scale = hp->inv != 1.0f, mode = it->init, mirror = writes_back(it, hp);
     for (int64_t i = lo; i < hi; i++) {
         float v = load_g(it->g, it->gk, i);
         bad |= !isfinite(v);
@@ -223,6 +232,7 @@ static int absorb_scalar(const Item *it, const Hyper *hp, int64_t lo, int64_t hi
         if (mode == ABS_ADD) v = it->p[i] + v;
         else if (mode == ABS_ZERO_ADD) v = 0.0f + v;
         it->p[i] = v;
+        if (mirror) store_h(it->h, it->gk, i, v);
     }
     return bad;
 }
@@ -483,7 +493,9 @@ TARGET static inline __attribute__((always_inline)) int absorb_loop_##SUF(      
         const Item *it, const Hyper *hp, int64_t lo, int64_t end, const int gk, const int mode) { \
     float *const pp = it->p;                                                                      \
     const void *const gg = it->g;                                                                 \
+    void *const hh = it->h;                                                                       \
     const int scale = hp->inv != 1.0f;                                                            \
+    const int mirror = writes_back(it, hp);                                                       \
     const int nt = mode == ABS_WRITE && it->n >= g_stream_min && ((uintptr_t)pp & 63) == 0;       \
     const __m##VF inv = P##_set1_ps(hp->inv), zero = P##_setzero_ps();                            \
     __m##VF acc = P##_setzero_ps();                                                               \
@@ -495,6 +507,7 @@ TARGET static inline __attribute__((always_inline)) int absorb_loop_##SUF(      
         else if (mode == ABS_ZERO_ADD) v = P##_add_ps(zero, v);                                   \
         if (nt) P##_stream_ps(pp + i, v);                                                         \
         else P##_storeu_ps(pp + i, v);                                                            \
+        if (mirror) PRE##store_h(hh, gk, i, v, 0);                                                \
     }                                                                                             \
     return PRE##ANY_NAN(acc);                                                                     \
 }                                                                                                 \
@@ -839,9 +852,10 @@ static PyObject *py_check(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(absorb_doc,
 "absorb(items, threads, inv, found, inv_at=0) -> found_inf\n\n"
-"Move gradients into FP32 master gradients in one pass: each item (p, g, gk, _, _, _, _, _, n, _, mode)\n"
+"Move gradients into FP32 master gradients in one pass: each item (p, g, gk, _, _, _, h, hk, n, _, mode)\n"
 "reads the gradient g (kind gk), multiplies it by inv (not when inv is 1) and writes p = v (mode 0),\n"
-"p = p + v (1) or p = 0 + v (2); an inf or NaN gradient element sets the FP32 at address found\n"
+"p = p + v (1) or p = 0 + v (2), and the new p rounded to kind gk at h (hk == gk; 0: not written;\n"
+"not where h is g and p = g exactly); an inf or NaN gradient element sets the FP32 at address found\n"
 "(0: none) to 1.0, as torch's unscale-and-check does. Returns whether one was found. inv_at: the address\n"
 "of an FP32 inverse scale read instead of inv as the call starts (the loss scale kept as a tensor).");
 
@@ -862,6 +876,9 @@ static PyObject *py_absorb(PyObject *self, PyObject *args) {
         if (!items[k].p || items[k].init < ABS_WRITE || items[k].init > ABS_ZERO_ADD) {
             PyMem_Free(items);
             return PyErr_Format(PyExc_ValueError, "item %zd: absorb needs a destination and a mode 0, 1 or 2", k);
+        } else if (items[k].h && (items[k].hk != items[k].gk || items[k].gk == K_F32)) {
+            PyMem_Free(items);
+            return PyErr_Format(PyExc_ValueError, "item %zd: absorb writes back a half gradient of the gradient's kind only", k);
         }
     int bad = run_all(OP_ABSORB, items, n, &hp, threads);
     if (bad > 0 && found) *(float *)found = 1.0f;

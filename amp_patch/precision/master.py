@@ -212,11 +212,16 @@ class MasterWeights:
         sparse = {i for i in idx if halfs[i].grad.is_sparse}
         if sparse:
             idx = [i for i in idx if i not in sparse]
+        viewed: List[int] = []  # the half gradients that hold their master's, rounded, already
         if not self.sum.partial:
             fresh = [i for i in idx if i not in absorbed] if absorbed else idx
             if fresh:
                 bufs = [self.buffer(i) for i in fresh]
-                if not self._absorb_all(fresh, bufs, unscale):
+                back = view.on and all(halfs[i].grad.dtype is halfs[i].dtype and halfs[i].grad.shape == halfs[i].shape
+                                       for i in fresh)
+                if self._absorb_all(fresh, bufs, unscale, back):
+                    viewed = fresh if back else []
+                else:
                     torch._foreach_copy_(bufs, [halfs[i].grad for i in fresh])
                     if unscale is not None:
                         unscale(bufs)
@@ -248,21 +253,24 @@ class MasterWeights:
             self._collect_sparse(sorted(sparse), unscale)
         if keep_half:
             if view.on:
-                view.mirror()  # the scaled sum comes back before the next backward (ModelGrads.rescale)
+                view.mirror(viewed)  # the scaled sum comes back before the next backward (ModelGrads.rescale)
             return
         self.sum.backward(keep_half=False)
         if view.on:
-            view.mirror()
+            view.mirror(viewed)
             return
         for i in idx:
             halfs[i].grad = None
         for i in sparse:
             halfs[i].grad = None
 
-    def _absorb_all(self, idx: List[int], bufs: List[Tensor], unscale: Optional[Callable[[List[Tensor]], None]]) -> bool:
+    def _absorb_all(self, idx: List[int], bufs: List[Tensor], unscale: Optional[Callable[[List[Tensor]], None]],
+                    back: bool = False) -> bool:
         """Copy (and unscale and check) the half gradients of ``idx`` into ``bufs`` in one
-        C pass, instead of a copy and then an unscale. False, with nothing done, where the
-        C routine cannot take them all (not built, CUDA, an odd layout)."""
+        C pass, instead of a copy and then an unscale (``back``: and write each sum,
+        rounded, back into its half gradient, the model's view of it). False, with
+        nothing done, where the C routine cannot take them all (not built, CUDA, an odd
+        layout)."""
         if onepass.native is None:
             return False
         if unscale is None:
@@ -275,7 +283,7 @@ class MasterWeights:
         moves = [(b, self.halfs[i].grad, onepass.WRITE) for i, b in zip(idx, bufs)]
         if not all(onepass.absorbable(g) and onepass.dense(b, g.numel()) for b, g, _ in moves):
             return False
-        onepass.absorb(moves, inv, found)
+        onepass.absorb(moves, inv, found, back)
         return True
 
     def absorb_true_grads(self) -> None:

@@ -13,7 +13,7 @@ as the code in ``MasterWeights`` did.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, List, Optional, Set, Tuple, Union
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -132,12 +132,14 @@ class ModelGrads:
         self.mirrors: List[Optional[Tuple[Tensor, int]]] = []
 
     @torch.no_grad()
-    def mirror(self) -> None:
+    def mirror(self, viewed: Sequence[int] = ()) -> None:
         """Make each half parameter's ``.grad`` read its master's true gradient, rounded
         to the half dtype (in place where autograd left a half gradient, so DDP's bucket
         views and references a script holds stay valid), and note each one's version,
-        so ``take`` can tell which a script edited."""
+        so ``take`` can tell which a script edited. ``viewed``: the parameters whose
+        ``.grad`` holds that already (written by the pass that filled the master's)."""
         halfs, mirrors = self.mw.halfs, self.mirrors
+        done = set(viewed)
         dst: List[Tensor] = []
         src: List[Tensor] = []
         for i, (h, m) in enumerate(zip(halfs, self.mw.masters)):
@@ -151,6 +153,8 @@ class ModelGrads:
             if mg.is_sparse:
                 h.grad = mg.to(h.dtype)
                 mirrors[i] = (h.grad, h.grad._version)
+                continue
+            if i in done:
                 continue
             if g is None or g.is_sparse or g.dtype is not h.dtype or g.shape != h.shape:
                 g = h.grad = torch.empty_like(h, memory_format=torch.preserve_format)

@@ -274,18 +274,27 @@ def absorbable(g: Tensor) -> bool:
     return g.dtype in KINDS and g.dtype is not f32 and not g.requires_grad and _plain(g)
 
 
-def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: Union[float, Tensor], found: int) -> None:
+def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: Union[float, Tensor], found: int, back: bool = False) -> None:
     """Move each ``(dst, g, mode)``'s half gradient ``g`` into its FP32 ``dst`` in one
     pass: check it for inf/NaN (into the FP32 flag at address ``found``; 0: not
     checked), multiply it by ``inv`` (a float, or a 0-d FP32 CPU tensor the C reads:
     the loss scale kept on the device) and write or add it (``mode``). Every ``g`` is
-    ``absorbable`` and every ``dst`` a contiguous CPU FP32 tensor of its size."""
-    items = [Move(dst.data_ptr(), g.data_ptr(), KINDS[g.dtype], n=dst.numel(), mode=mode) for dst, g, mode in moves]
+    ``absorbable`` and every ``dst`` a contiguous CPU FP32 tensor of its size.
+
+    ``back``: each ``g`` then holds its ``dst`` rounded to ``g``'s dtype, written in the
+    same pass (the model's ``.grad`` as a view of the master's, without reading the FP32
+    gradient again); where that is ``g`` already (written unscaled) nothing is written."""
+    items = []
+    for dst, g, mode in moves:
+        at, kind = g.data_ptr(), KINDS[g.dtype]
+        items.append(Move(dst.data_ptr(), at, kind, h=at if back else 0, hk=kind if back else 0, n=dst.numel(), mode=mode))
     threads = threads_for(sum(it.n for it in items))
     if isinstance(inv, Tensor):
         native.absorb(items, threads, 1.0, found, inv.data_ptr())
     else:
         native.absorb(items, threads, inv, found)
+    if back:  # written in place by address: as an in-place op would, for autograd's checks
+        torch.autograd.graph.increment_version([g for _, g, _ in moves])
 
 
 class OnePassStep:

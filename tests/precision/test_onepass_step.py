@@ -671,3 +671,38 @@ def test_absorb_gives_torchs_copy_unscale_and_add_bit_for_bit(isa, dtype, n):
     finally:
         C.isa(saved)
         C.stream_min(stream_min)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [bf16, f16])
+@pytest.mark.parametrize("n", [37, 40_000])
+def test_absorb_writes_the_rounded_sum_back_as_torchs_cast_does(isa, dtype, n):
+    """The model's ``.grad`` as a view of the master's, written in the same pass: the
+    new FP32 gradient rounded to the half dtype, bit for bit ``master.grad.to(dtype)``,
+    into the half gradient itself or another buffer; where it is the half gradient and
+    the write is unscaled, that gradient is left as it is (it is the rounding already).
+    An inverse scale of 2^-20 takes FP16 values into subnormals and to zero."""
+    g = torch.Generator().manual_seed(n)
+    saved = C.isa()
+    k = onepass.KINDS[dtype]
+    try:
+        C.isa(isa)
+        for mode, inv, in_place in itertools.product((0, 1, 2), (1.0, 1 / 1024, 2.0 ** -20, 3.0), (True, False)):
+            grad = (torch.randn(n, generator=g) * 300).to(dtype)
+            grad[n // 2] = -0.0
+            dst = torch.randn(n, generator=g)
+            before, kept = dst.clone(), grad.clone()
+            out = grad if in_place else torch.full((n,), 7.0, dtype=dtype)
+            C.absorb([(dst.data_ptr(), grad.data_ptr(), k, 0, 0, 0, out.data_ptr(), k, n, 0, mode)], 2, inv, 0)
+            v = kept.float()
+            torch._amp_foreach_non_finite_check_and_unscale_([v], torch.zeros(()), torch.full((), inv))
+            ref = v if mode == 0 else (before + v if mode == 1 else torch.zeros(n) + v)
+            assert torch.equal(dst.view(torch.int32), ref.view(torch.int32)), (mode, inv, in_place)
+            assert torch.equal(out.view(torch.int16), ref.to(dtype).view(torch.int16)), (mode, inv, in_place)
+    finally:
+        C.isa(saved)
+    h32 = torch.empty(n)
+    with pytest.raises(ValueError, match="gradient's kind only"):
+        C.absorb([(dst.data_ptr(), grad.data_ptr(), k, 0, 0, 0, h32.data_ptr(), onepass.KINDS[torch.float32], n, 0, 0)],
+                 1, 1.0, 0)
