@@ -254,7 +254,7 @@ class AmpConfig:
             raise ConfigError(
                 f"initialize: cast_policy={self.cast_policy!r} must be 'parity' (cast as torch.autocast does, the "
                 f"default at O1/O4) or 'auto' (keep matmuls too small for the half dtype to win, and attention "
-                f"measured faster in float32 here, in float32; the default at O2/O5)"
+                f"measured faster in float32 here, in float32; the default at O2/O3/O5)"
             )
         if self.master_weights and self.cast_model_type == torch.float32:
             raise ConfigError(

@@ -5,7 +5,7 @@ of a small transformer's step: on an AVX512-BF16 EPYC the BF16 forward and
 backward of a ``[8, 8, 128, 64]`` attention take 31 ms, the FP32 kernel on
 the same inputs cast up 19 ms. Longer sequences turn it round (BF16 wins from
 about 256 tokens with a causal mask there). So under ``cast_policy="auto"``
-(the default at O2/O5) a call of ``F.scaled_dot_product_attention`` on half
+(the default at O2/O3/O5) a call of ``F.scaled_dot_product_attention`` on half
 inputs runs torch's FP32 CPU flash kernel where that is measured faster:
 
 * The decision is per shape class (query and key lengths rounded up to a
@@ -262,7 +262,7 @@ def _chosen_call(original: Callable, args: tuple, kwargs: Optional[dict], dt: to
 
 
 def attend(original: Callable, args: tuple, kwargs: Optional[dict]) -> Optional[Tensor]:
-    """At O2/O5: the FP32 kernel's result for a half call it can take and runs
+    """At O2/O3/O5: the FP32 kernel's result for a half call it can take and runs
     faster here, in the call's dtype; None otherwise (the caller runs ``original``)."""
     q = args[0] if args else None
     dt = q.dtype if isinstance(q, Tensor) else None

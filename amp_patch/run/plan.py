@@ -395,8 +395,8 @@ def end(amp: Session) -> None:
 
 def function_items(amp: Session, registrations: Sequence[Registration]) -> List[PatchItem]:
     """What ``amp`` patches: O1/O4 the op lists (and registrations, the
-    DataLoader's fetch and the RNN modules' dtype check); O2/O5 under
-    ``cast_policy="auto"`` on CPU, attention alone; O0/O3 nothing."""
+    DataLoader's fetch and the RNN modules' dtype check); a half model (O2/O3/O5)
+    under ``cast_policy="auto"`` on CPU, attention alone; otherwise nothing."""
     config = amp.config
     if config.patch_torch_functions:
         return patch_items(amp, registrations) + dataloader_items() + rnn.check_input_items(amp.table or {}, amp.live)
@@ -430,8 +430,8 @@ def maker(amp: Session, policy: str, qualname: str, method: bool, fix: str) -> C
 
 
 def attention_item(amp: Session) -> PatchItem:
-    """O2/O5 under ``cast_policy="auto"``: attention in FP32 where that is faster
-    here (``patching.attention``); the one function these levels patch."""
+    """A half model (O2/O3/O5) under ``cast_policy="auto"``: attention in FP32 where
+    that is faster here (``patching.attention``); the one function these levels patch."""
     return (torch.nn.functional, "scaled_dot_product_attention", lambda original: attention_wrapper(original, amp.live))
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import amp_patch
 from amp_patch.config import parse
 from amp_patch.patching import attention
-from helpers import amp
+from helpers import Snapshot, amp
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 #: torch's own attention (kept out of the module namespace: a module-level alias of a
@@ -151,13 +151,29 @@ def test_o2_leaves_attention_half_where_it_is_not_faster_and_under_parity(decide
     model = nn.Linear(4, 4)
     with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", cast_policy="parity"):
         assert F.scaled_dot_product_attention is TORCH.sdpa
-    with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O3"):
+    with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O3", cast_policy="parity"):
         assert F.scaled_dot_product_attention is TORCH.sdpa
+
+
+def test_o3_runs_attention_in_fp32_where_faster_as_o2_does(decided):
+    """O3 keeps no masters, so nothing should make it slower than O2: its half model
+    takes the same attention decision, and only that function is patched."""
+    q, k, v, _ = _qkv()
+    decided(True)
+    model = nn.Linear(4, 4)
+    before = Snapshot()
+    with amp(model, torch.optim.SGD(model.parameters(), lr=0.1), "O3"):
+        assert before.changed() == ["torch.nn.functional.scaled_dot_product_attention"]
+        out = F.scaled_dot_product_attention(q, k, v)
+        assert type(out.grad_fn).__name__ == "Fp32AttentionBackward" and out.dtype == q.dtype
+        out.float().sum().backward()
+    assert before.changed() == []
+    assert torch.equal(out, TORCH.sdpa(q.detach().float(), k.detach().float(), v.detach().float()).to(q.dtype))
 
 
 def test_the_levels_default_cast_policies():
     assert {lv: parse(lv, "cpu").cast_policy for lv in ("O0", "O1", "O2", "O3", "O4", "O5")} == {
-        "O0": "parity", "O1": "parity", "O2": "auto", "O3": "parity", "O4": "parity", "O5": "auto"}
+        "O0": "parity", "O1": "parity", "O2": "auto", "O3": "auto", "O4": "parity", "O5": "auto"}
     assert parse("O2", "cpu", cast_policy="parity").cast_policy == "parity"
     assert parse("O1", "cpu", cast_policy="auto").cast_policy == "auto"
 
