@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, ContextManager, Dict, List
+from typing import Callable, ContextManager, Dict, List, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -40,7 +40,8 @@ from amp_patch.diagnostics.setup_checks import cpu_has_native_bf16  # noqa: E402
 from workloads import build  # noqa: E402
 
 PHASES = ("forward", "backward", "step")
-MODES = ("fp32", "autocast", "O2", "O3")
+MODES = ("fp32", "autocast", "O2", "O3")  # the default; O1 on request (--modes)
+LEVELS = ("O1", "O2", "O3")
 
 
 class Mode:
@@ -51,11 +52,11 @@ class Mode:
         self.w = build(workload, scale=scale)
         self.model = self.w.model
         self.opt = torch.optim.SGD(self.model.parameters(), lr=self.w.lr, momentum=self.w.momentum)
-        if name in ("O2", "O3"):
+        if name in LEVELS:
             self.model, self.opt = amp_patch.initialize(self.model, self.opt, name, half_dtype=half, verbosity=0)
 
     def close(self) -> None:
-        if self.name in ("O2", "O3"):
+        if self.name in LEVELS:
             amp_patch.deinitialize()
 
     def step(self, i: int, phase: Callable[[str], ContextManager[None]]) -> None:
@@ -93,8 +94,7 @@ class Mode:
         return {k: v / n for k, v in total.items()}
 
     def around_gemms(self, n: int) -> Dict[str, float]:
-        """Per phase, ms per step outside the GEMM ops over ``n`` profiled steps."""
-        self.step(0, lambda name: contextlib.nullcontext())  # warm, as the timed blocks are
+        """Per phase, seconds per step outside the GEMM ops over ``n`` profiled steps."""
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(n):
                 self.step(i, lambda name: record_function(MARK + name))
@@ -109,7 +109,7 @@ class Mode:
                     if start <= e.time_range.start and e.time_range.end <= end:
                         rest[name] -= e.self_cpu_time_total
                         break
-        return {k: rest[k] / n / 1e3 for k in PHASES}
+        return {k: rest[k] / n / 1e6 for k in PHASES}  # the profiler's microseconds
 
 
 #: the ops a BF16 matrix unit speeds up (their own time: a cast or add inside one is not theirs)
@@ -121,30 +121,36 @@ MARK = "phases::"
 
 def run(workload: str, args: argparse.Namespace) -> None:
     half = getattr(torch, args.dtype)
-    rounds: List[Dict[str, Dict[str, float]]] = []
+    modes = tuple(dict.fromkeys(["autocast"] + list(args.modes)))  # every ratio is to autocast's phase
+    timed: List[Dict[str, Dict[str, float]]] = []
+    around: List[Dict[str, Dict[str, float]]] = []
     for r in range(args.rounds):
-        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
         got: Dict[str, Dict[str, float]] = {}
+        outside: Dict[str, Dict[str, float]] = {}
         for name in order:
             mode = Mode(name, workload, args.scale, half)
             try:
                 got[name] = mode.steps(args.steps)
+                if args.around_gemms:  # the same process state as the timed block
+                    outside[name] = mode.around_gemms(args.steps)
             finally:
                 mode.close()
-        rounds.append(got)
-    around: Dict[str, Dict[str, float]] = {}
-    if args.around_gemms:
-        for name in MODES:
-            mode = Mode(name, workload, args.scale, half)
-            try:
-                around[name] = mode.around_gemms(args.steps)
-            finally:
-                mode.close()
+        timed.append(got)
+        around.append(outside)
     print(f"\n{workload} (scale {args.scale}, {args.dtype}, {args.rounds} rounds of {args.steps} steps): "
           f"ms of CPU time per step, median over rounds; (x autocast's phase, median of per-round ratios)")
+    _table(timed, modes)
+    if args.around_gemms:
+        print(f"\n{workload}, outside the GEMMs ({args.steps} profiled steps of each mode after its timed "
+              f"block, every round): ms per step, median over rounds; (x autocast's phase, as above)")
+        _table(around, modes)
+
+
+def _table(rounds: List[Dict[str, Dict[str, float]]], modes: Tuple[str, ...]) -> None:
     print(f"| mode | {' | '.join(PHASES)} | whole step |")
     print("|---|" + "---|" * (len(PHASES) + 1))
-    for name in MODES:
+    for name in modes:
         cells = []
         for k in PHASES + ("whole",):
             def val(rd: Dict[str, Dict[str, float]], m: str) -> float:
@@ -153,18 +159,6 @@ def run(workload: str, args: argparse.Namespace) -> None:
             ratio = statistics.median(val(rd, name) / val(rd, "autocast") for rd in rounds if val(rd, "autocast") > 0)
             cells.append(f"{ms:.2f} ({ratio:.2f}x)")
         print(f"| {name} | {' | '.join(cells)} |")
-    if around:
-        print(f"\n{workload}, outside the GEMMs ({args.steps} profiled steps of each mode): "
-              f"ms per step (x autocast's phase)")
-        print(f"| mode | {' | '.join(PHASES)} | whole step |")
-        print("|---|" + "---|" * (len(PHASES) + 1))
-        for name in MODES:
-            got, ref = around[name], around["autocast"]
-            cells = []
-            for k in PHASES + ("whole",):
-                ms, base = (sum(got.values()), sum(ref.values())) if k == "whole" else (got[k], ref[k])
-                cells.append(f"{ms:.2f} ({ms / base:.2f}x)" if base > 0 else f"{ms:.2f}")
-            print(f"| {name} | {' | '.join(cells)} |")
 
 
 def main(argv: List[str] | None = None) -> None:
@@ -174,6 +168,8 @@ def main(argv: List[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps per mode per round")
     p.add_argument("--scale", type=float, default=1.0, help="shrink or grow the workload, as suite.py's --scale")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=["fp32", "autocast", *LEVELS],
+                   help="what to time (autocast always: the ratios are to it)")
     p.add_argument("--around-gemms", action="store_true",
                    help="also profile each phase's time outside the GEMMs, and the memory it page-faults in")
     args = p.parse_args(argv)

@@ -157,4 +157,4 @@ def test_time_outside_the_gemms_leaves_out_exactly_the_gemm_ops():
         mode.close()
     assert set(rest) == set(phases.PHASES)
     assert all(v > 0 for v in rest.values())
-    assert rest["forward"] < 0.5 * whole["forward"] * 1e3  # ms against seconds: the addmms are most of it
+    assert rest["forward"] < 0.5 * whole["forward"]  # the addmms are most of it
