@@ -343,7 +343,7 @@ class OnePassStep:
             for p in group["params"]:
                 i = index.get(id(p))
                 h = mw.halfs[i] if i is not None and mw.masters[i] is p else None
-                g = p.grad
+                g = p.grad if h is None else mw.step_grad(i)  # type: ignore[union-attr]
                 if g is None:
                     continue
                 key = None

@@ -10,6 +10,7 @@ same), and without the built module amp_patch must run as before.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -468,6 +469,68 @@ def test_gradients_already_in_the_masters_take_the_kernel_too(name, how):
     cfg = CONFIGS["O2_fp16_dynamic"]
     plain = train(name, 4, cfg, False, accumulate=how == "accumulate", clip=how == "clip")
     got = train(name, 4, cfg, True, accumulate=how == "accumulate", clip=how == "clip")
+    assert_same_training(plain, got)
+    assert got[3]["optimizers"][0]["one_pass"] == 4
+
+
+class _Reads:
+    """Records the gradient kinds each kernel step reads (the items' third field)."""
+
+    def __init__(self):
+        self.kinds = []
+
+    def __getattr__(self, name):
+        return getattr(C, name)
+
+    def sgd(self, items, *args):
+        self.kinds.append(collections.Counter(it[2] for it in items))
+        return C.sgd(items, *args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["untouched", "clip the masters", "edit the model grad", "model_grads=False",
+                                  "fp16 scaled", "accumulate"])
+def test_a_step_reads_the_half_gradient_only_while_it_is_exactly_the_masters(case, monkeypatch):
+    """A BF16 backward's master gradient is its half gradient cast up, exactly, and
+    the model keeps that half gradient (``model_grads=True``): the step then reads it,
+    half the bytes, for the same bits. Anything that makes them differ (clipping or
+    editing either, loss scaling, a second backward, no half gradient kept) makes the
+    step read the master's FP32 gradient."""
+    reads = _Reads()
+    monkeypatch.setattr(onepass, "native", reads)
+    cfg = dict(opt_level="O5")
+    if case == "model_grads=False":
+        cfg["model_grads"] = False
+    if case == "fp16 scaled":
+        cfg = dict(opt_level="O2", half_dtype=f16, loss_scale=256.0)
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with amp(model, opt, **cfg) as (model, opt):
+        n_half = sum(p.dtype != f32 for p in model.parameters())
+        n_own = sum(p.dtype == f32 for p in model.parameters())  # the kept-FP32 BatchNorm's, their own masters
+        for i in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(batch(i, 16, 4)[0]).float(), batch(i, 16, 4)[1]).backward()
+            if case == "accumulate":
+                F.mse_loss(model(batch(i + 9, 16, 4)[0]).float(), batch(i + 9, 16, 4)[1]).backward()
+            if case == "clip the masters":
+                torch.nn.utils.clip_grad_norm_(amp_patch.master_params(opt), 1e-3)
+            if case == "edit the model grad":
+                model[0].weight.grad.mul_(0.5)
+            opt.step()
+    half, full = onepass.KINDS[cfg.get("half_dtype", bf16)], onepass.KINDS[f32]
+    assert n_half and n_own
+    want = {"untouched": {half: n_half, full: n_own},
+            # the edited weight reads its master's FP32 gradient, which took the edit; the others their half one
+            "edit the model grad": {half: n_half - 1, full: n_own + 1}}.get(case, {full: n_half + n_own})
+    assert reads.kinds == [want] * 3
+
+
+@needs_kernel
+@pytest.mark.parametrize("how", ["plain", "accumulate", "clip"])
+def test_bf16_steps_that_read_the_half_gradient_train_bit_for_bit_as_the_plain_step(how):
+    plain = train("sgd_momentum_wd_dampening", 4, CONFIGS["O5_bf16"], False, accumulate=how == "accumulate", clip=how == "clip")
+    got = train("sgd_momentum_wd_dampening", 4, CONFIGS["O5_bf16"], True, accumulate=how == "accumulate", clip=how == "clip")
     assert_same_training(plain, got)
     assert got[3]["optimizers"][0]["one_pass"] == 4
 
