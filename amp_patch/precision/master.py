@@ -128,9 +128,6 @@ class MasterWeights:
         self.masters: List[Tensor] = []
         self.grads: List[Optional[Tensor]] = []
         self.dtypes: List[torch.dtype] = []  # each half parameter's dtype before initialize
-        #: master i -> its gradient's version when a backward wrote it as exactly the model's half
-        #: gradient cast up (unscaled, one pass): the step may read the half one (``step_grad``)
-        self.exact: Dict[int, int] = {}
         self.index: Dict[int, int] = {}  # id(half or master) -> i
         #: where this step's gradient sum is (the masters', the model's, zeroed buffers)
         self.sum = GradSum()
@@ -205,7 +202,7 @@ class MasterWeights:
         halfs, masters, view = self.halfs, self.masters, self.model_view
         absorbed = self.early_moves.absorbed  # the masters an armed backward's hooks gave their gradient already
         view.take()
-        self.exact.clear()
+        view.exact.clear()
         mirrors = view.mirrors
         # a gradient mirror() wrote is the master's already (take() took any edit)
         idx = [i for i, h in enumerate(halfs) if h.grad is not None and (mirrors[i] is None or mirrors[i][0] is not h.grad)]
@@ -257,38 +254,17 @@ class MasterWeights:
             self._collect_sparse(sorted(sparse), unscale)
         if keep_half:
             if view.on:
-                view.mirror(viewed)  # the scaled sum comes back before the next backward (ModelGrads.rescale)
-                self._note_exact(viewed if unscale is None else [])
+                # the scaled sum comes back before the next backward (ModelGrads.rescale)
+                view.mirror(viewed, exact=unscale is None)
             return
         self.sum.backward(keep_half=False)
         if view.on:
-            view.mirror(viewed)
-            self._note_exact(viewed if unscale is None else [])
+            view.mirror(viewed, exact=unscale is None)
             return
         for i in idx:
             halfs[i].grad = None
         for i in sparse:
             halfs[i].grad = None
-
-    def _note_exact(self, idx: List[int]) -> None:
-        """The masters of ``idx`` got their gradient unscaled and whole from the half
-        gradients the model keeps (``viewed``): each is that half gradient cast up, exactly."""
-        for i in idx:
-            self.exact[i] = self.grads[i]._version
-
-    def step_grad(self, i: int) -> Optional[Tensor]:
-        """The gradient a step of master ``i`` reads: the model's half gradient where the
-        master's is exactly that one cast up and neither changed since (a BF16 backward
-        with ``model_grads=True``, no edit, no clipping: their version counters say), so
-        the step reads half the bytes and computes the same bits; the master's otherwise."""
-        g = self.masters[i].grad
-        version = self.exact.get(i)
-        if version is None or g is None or g is not self.grads[i] or g._version != version:
-            return g
-        rec, half = self.model_view.mirrors[i], self.halfs[i].grad
-        if rec is None or half is not rec[0] or half._version != rec[1]:
-            return g
-        return half
 
     def _absorb_all(self, idx: List[int], bufs: List[Tensor], unscale: Optional[Callable[[List[Tensor]], None]],
                     back: bool = False) -> bool:
@@ -352,7 +328,7 @@ class MasterWeights:
         """A step (taken or skipped) used up the masters' gradients (``GradSum.step``);
         the half sum DDP kept in the model goes with it."""
         self.early_moves.absorbed.clear()
-        self.exact.clear()
+        self.model_view.exact.clear()
         if self.sum.step():
             for h in self.halfs:
                 h.grad = None
@@ -384,7 +360,7 @@ class MasterWeights:
                     if on:
                         mirrors[i] = (g, g._version)
         self.early_moves.absorbed.clear()
-        self.exact.clear()
+        self.model_view.exact.clear()
         self.sum.zero_grad(set_to_none)
         if set_to_none and self.masters:
             # The FP32 gradient buffers go with the gradients, so they are not held
@@ -437,7 +413,7 @@ class MasterWeights:
                 opt.state[h] = _state_to(opt.state.pop(m), dtype)
         self.weight_writes.release()
         self.halfs, self.masters, self.grads, self.dtypes, self.model_view.mirrors, self.index = [], [], [], [], [], {}
-        self.exact.clear()
+        self.model_view.exact.clear()
 
 
 def lookup(conv: Optional["Conversions"], param: Tensor) -> Optional[Tensor]:

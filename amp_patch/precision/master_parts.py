@@ -13,7 +13,7 @@ as the code in ``MasterWeights`` did.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -121,25 +121,34 @@ class ModelGrads:
     half dtype (``mirror``), and edits a script makes there reach the step (``take``);
     off, half gradients move into the masters and the model's ``.grad`` stays None.
     Owns ``mirrors``, which ``MasterWeights`` also reads to tell a mirrored gradient
-    from one a backward just left."""
+    from one a backward just left, and ``exact``: where a master's gradient is its
+    half one cast up, unchanged, the step reads the half one (``step_grad``)."""
 
-    __slots__ = ("mw", "on", "mirrors")
+    __slots__ = ("mw", "on", "mirrors", "exact")
 
     def __init__(self, mw: "MasterWeights", on: bool):
         self.mw = mw
         self.on = on
         #: per parameter, (the half gradient ``mirror`` wrote, its version after the write), or None
         self.mirrors: List[Optional[Tuple[Tensor, int]]] = []
+        #: master i -> its gradient's version where that gradient is exactly the model's half
+        #: one cast up (``mirror(exact=True)``): what ``step_grad`` checks before the step reads it
+        self.exact: Dict[int, int] = {}
 
     @torch.no_grad()
-    def mirror(self, viewed: Sequence[int] = ()) -> None:
+    def mirror(self, viewed: Sequence[int] = (), exact: bool = False) -> None:
         """Make each half parameter's ``.grad`` read its master's true gradient, rounded
         to the half dtype (in place where autograd left a half gradient, so DDP's bucket
         views and references a script holds stay valid), and note each one's version,
         so ``take`` can tell which a script edited. ``viewed``: the parameters whose
-        ``.grad`` holds that already (written by the pass that filled the master's)."""
+        ``.grad`` holds that already (written by the pass that filled the master's);
+        ``exact``: and their masters' gradients are those half ones cast up, unscaled."""
         halfs, mirrors = self.mw.halfs, self.mirrors
         done = set(viewed)
+        if exact:
+            grads = self.mw.grads
+            for i in done:
+                self.exact[i] = grads[i]._version  # type: ignore[union-attr]
         dst: List[Tensor] = []
         src: List[Tensor] = []
         for i, (h, m) in enumerate(zip(halfs, self.mw.masters)):
@@ -166,6 +175,21 @@ class ModelGrads:
             g = h.grad
             if g is not None:
                 mirrors[i] = (g, g._version)
+
+    def step_grad(self, i: int) -> Optional[Tensor]:
+        """The gradient a step of master ``i`` reads: the model's half gradient where the
+        master's is exactly that one cast up and neither changed since (a BF16 backward,
+        no edit, no clipping, nothing added: their identities and version counters say),
+        so the step reads half the bytes and computes the same bits; the master's otherwise."""
+        mw = self.mw
+        g = mw.masters[i].grad
+        version = self.exact.get(i)
+        if version is None or g is None or g is not mw.grads[i] or g._version != version:
+            return g
+        rec, half = self.mirrors[i], mw.halfs[i].grad
+        if rec is None or half is not rec[0] or half._version != rec[1]:
+            return g
+        return half
 
     @torch.no_grad()
     def take(self) -> None:

@@ -287,7 +287,8 @@ def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: Union[float, Tensor], f
     items = []
     for dst, g, mode in moves:
         at, kind = g.data_ptr(), KINDS[g.dtype]
-        items.append(Move(dst.data_ptr(), at, kind, h=at if back else 0, hk=kind if back else 0, n=dst.numel(), mode=mode))
+        back_at, back_kind = (at, kind) if back else (0, 0)
+        items.append(Move(dst.data_ptr(), at, kind, h=back_at, hk=back_kind, n=dst.numel(), mode=mode))
     threads = threads_for(sum(it.n for it in items))
     if isinstance(inv, Tensor):
         native.absorb(items, threads, 1.0, found, inv.data_ptr())
@@ -343,7 +344,7 @@ class OnePassStep:
             for p in group["params"]:
                 i = index.get(id(p))
                 h = mw.halfs[i] if i is not None and mw.masters[i] is p else None
-                g = p.grad if h is None else mw.step_grad(i)  # type: ignore[union-attr]
+                g = p.grad if h is None else mw.model_view.step_grad(i)  # type: ignore[union-attr]
                 if g is None:
                     continue
                 key = None
