@@ -17,9 +17,10 @@ nearly the whole step: the script says so.
 on any CPU: a few more steps of each mode run under ``torch.profiler``, and each
 phase's time outside the GEMM ops (``aten::mm``/``addmm``/``bmm``/``baddbmm``, the
 convolutions) is printed. These are the parts the GEMM units do not speed up, so
-this is where the time on an AMX CPU goes. Two costs it cannot split out: the
-profiler adds a few microseconds to every op, and memory a step allocates afresh is
-page-faulted in inside whichever op first writes it, a GEMM's output included.
+this is where the time on an AMX CPU goes. What it cannot split out: the profiler
+adds a few microseconds to every op; memory a step allocates afresh is page-faulted
+in inside whichever op first writes it, a GEMM's output included; and attention
+kernels count as outside, though a matrix unit speeds up the GEMMs inside them.
 """
 from __future__ import annotations
 
