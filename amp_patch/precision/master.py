@@ -38,6 +38,8 @@ Tensor = torch.Tensor
 f32 = torch.float32
 #: a CPU master-gradient buffer this large outlives zero_grad(set_to_none=True) (see zero_model_grads)
 KEEP_ON_CPU = 8 << 20
+#: and so does every one of an optimizer whose CPU buffers come to at most this in all
+KEEP_ALL_ON_CPU = 4 << 20
 
 
 def _state_to(state: Dict[str, Any], dtype: torch.dtype) -> Dict[str, Any]:
@@ -218,10 +220,9 @@ class MasterWeights:
             fresh = [i for i in idx if i not in absorbed] if absorbed else idx
             if fresh:
                 bufs = [self.buffer(i) for i in fresh]
-                back = view.on and all(halfs[i].grad.dtype is halfs[i].dtype and halfs[i].grad.shape == halfs[i].shape
-                                       for i in fresh)
-                if self._absorb_all(fresh, bufs, unscale, back):
-                    viewed = fresh if back else []
+                done = self._absorb_all(fresh, bufs, unscale, view.on)
+                if done is not None:
+                    viewed = fresh if done else []
                 else:
                     torch._foreach_copy_(bufs, [halfs[i].grad for i in fresh])
                     if unscale is not None:
@@ -267,26 +268,33 @@ class MasterWeights:
             halfs[i].grad = None
 
     def _absorb_all(self, idx: List[int], bufs: List[Tensor], unscale: Optional[Callable[[List[Tensor]], None]],
-                    back: bool = False) -> bool:
+                    back: bool = False) -> Optional[bool]:
         """Copy (and unscale and check) the half gradients of ``idx`` into ``bufs`` in one
-        C pass, instead of a copy and then an unscale (``back``: and write each sum,
-        rounded, back into its half gradient, the model's view of it). False, with
+        C pass, instead of a copy and then an unscale; with ``back``, and where every
+        half gradient has its parameter's dtype and shape, write each sum, rounded, back
+        into it (the model's view of it). Returns whether it wrote them back; None, with
         nothing done, where the C routine cannot take them all (not built, CUDA, an odd
         layout)."""
         if onepass.native is None:
-            return False
+            return None
         if unscale is None:
             inv, found = 1.0, 0
         else:
             cpu_args = getattr(unscale, "cpu_args", None)
             if cpu_args is None:
-                return False
+                return None
             inv, found = cpu_args()
-        moves = [(b, self.halfs[i].grad, onepass.WRITE) for i, b in zip(idx, bufs)]
-        if not all(onepass.absorbable(g) and onepass.dense(b, g.numel()) for b, g, _ in moves):
-            return False
+        moves = []
+        halfs = self.halfs
+        for i, b in zip(idx, bufs):
+            h = halfs[i]
+            g = h.grad
+            if not (onepass.absorbable(g) and onepass.dense(b, g.numel())):
+                return None
+            back = back and g.dtype is h.dtype and g.shape == h.shape
+            moves.append((b, g, onepass.WRITE))
         onepass.absorb(moves, inv, found, back)
-        return True
+        return back
 
     def absorb_true_grads(self) -> None:
         """Half gradients a backward amp_patch did not scale left in the model
@@ -368,10 +376,16 @@ class MasterWeights:
             # backward's end the allocator hands the memory back: CUDA's caching
             # allocator for free, a CPU's heap for buffers below KEEP_ON_CPU. A
             # larger CPU buffer stays: the C allocator would map it fresh each
-            # step and page-fault every byte of it in again.
-            cuda = self.masters[0].is_cuda
-            self.grads = [b if b is not None and not cuda and b.numel() * b.element_size() >= KEEP_ON_CPU else None
-                          for b in self.grads]
+            # step and page-fault every byte of it in again. So do all of a small
+            # model's (KEEP_ALL_ON_CPU): the memory is too little to matter, and
+            # making each again would cost an allocation per parameter per step.
+            if self.masters[0].is_cuda:
+                self.grads = [None] * len(self.grads)
+            else:
+                sizes = [0 if b is None else b.numel() * b.element_size() for b in self.grads]
+                small = sum(sizes) <= KEEP_ALL_ON_CPU
+                self.grads = [b if b is not None and (small or size >= KEEP_ON_CPU) else None
+                              for b, size in zip(self.grads, sizes)]
 
     def add_group(self, group: Dict[str, Any], dtypes: Optional[Dict[int, torch.dtype]] = None) -> Dict[str, Any]:
         """A param group for ``add_param_group`` with masters for its half parameters

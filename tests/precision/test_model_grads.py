@@ -351,3 +351,32 @@ def test_accumulated_backwards_sum_in_the_masters_and_a_step_starts_a_new_sum():
         F.mse_loss(model(x).float(), y).backward()
         for a, p in zip(one, masters):
             assert torch.equal(p.grad, a)
+
+
+@pytest.mark.parametrize("widths, kept", [((6, 16, 3), "all"), ((512,) * 6, "none")])
+def test_zero_grad_releases_the_fp32_gradient_buffers_only_where_that_saves_memory(widths, kept):
+    """``zero_grad(set_to_none=True)`` hands the masters' FP32 gradient buffers back, so
+    they are not held through the next forward; a small model's (all of them at most
+    ``KEEP_ALL_ON_CPU``) stay and are reused, instead of being made again for every
+    parameter at every step. Either way the gradients the script sees are None."""
+    from amp_patch.precision import master
+
+    model = mlp(*widths, seed=0)
+    opt = sgd(model)
+    with amp(model, opt, "O5") as (model, opt):
+        mw = amp_patch.base.running.session().scaling.by_optimizer[id(opt)].masters
+        total = sum(m.numel() * 4 for m in mw.masters)
+        assert (total <= master.KEEP_ALL_ON_CPU) == (kept == "all")
+        assert all(m.numel() * 4 < master.KEEP_ON_CPU for m in mw.masters)
+        x = torch.randn(4, widths[0])
+        model(x).float().sum().backward()
+        first = [m.grad for m in masters(opt)]
+        assert all(g is not None and g.dtype == torch.float32 for g in first)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert all(m.grad is None for m in masters(opt)) and all(p.grad is None for p in model.parameters())
+        assert all((b is g) if kept == "all" else (b is None) for b, g in zip(mw.grads, first))
+        model(x).float().sum().backward()
+        again = [m.grad for m in masters(opt)]
+        assert all((a is g) == (kept == "all") for a, g in zip(again, first))
+        assert all(torch.equal(p.grad, m.grad.to(p.dtype)) for p, m in zip(model.parameters(), masters(opt)))
