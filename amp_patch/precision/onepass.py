@@ -287,16 +287,14 @@ def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: Union[float, Tensor], f
     items = []
     for dst, g, mode in moves:
         at, kind = g.data_ptr(), KINDS[g.dtype]
-        # positional, as the C reads it (Move's fields): a few hundred per backward on a small model
+        # positional, as the C reads it (Move's fields): one per parameter per backward
         items.append(Move(dst.data_ptr(), at, kind, 0, 0, 0, at if back else 0, kind if back else 0, dst.numel(), 0, mode))
     threads = threads_for(sum(it.n for it in items))
     if isinstance(inv, Tensor):
         native.absorb(items, threads, 1.0, found, inv.data_ptr())
     else:
         native.absorb(items, threads, inv, found)
-    # written in place by address: as an in-place op would, for autograd's checks (an
-    # unscaled write leaves every g as it was: the C writes nothing then)
-    if back and (isinstance(inv, Tensor) or inv != 1.0 or any(mode != WRITE for _, _, mode in moves)):
+    if back:  # written in place by address (or left as it was): as an in-place op would, for autograd's checks
         torch.autograd.graph.increment_version([g for _, g, _ in moves])
 
 
