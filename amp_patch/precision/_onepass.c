@@ -692,8 +692,8 @@ static int as_ptr(PyObject *o, void **out) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* items: a sequence of tuples (p, g, gk, a, b, c, h, hk, n, step, init), read by position: kernel.py's
-   Item and Move name the positions (Move's last one is absorb's mode); pointers as ints (0/None: absent) */
+/* items: a sequence of tuples (p, g, gk, a, b, c, h, hk, n, step, init), read by position: onepass.py's
+   Item names the positions (absorb's items hold the mode in the last one); pointers as ints (0/None: absent) */
 static Item *parse_items(PyObject *seq, Py_ssize_t *count) {
     PyObject *fast = PySequence_Fast(seq, "items must be a sequence of tuples");
     if (!fast) return NULL;

@@ -285,14 +285,15 @@ class MasterWeights:
                 return None
             inv, found = cpu_args()
         moves = []
-        halfs = self.halfs
+        halfs, dense, absorbable, write = self.halfs, onepass.dense, onepass.absorbable, onepass.WRITE
         for i, b in zip(idx, bufs):
             h = halfs[i]
             g = h.grad
-            if not (onepass.absorbable(g) and onepass.dense(b, g.numel())):
+            if not (absorbable(g) and dense(b, g.numel())):
                 return None
+            # (a .grad whose .data a script replaced may differ from its parameter)
             back = back and g.dtype is h.dtype and g.shape == h.shape
-            moves.append((b, g, onepass.WRITE))
+            moves.append((b, g, write))
         onepass.absorb(moves, inv, found, back)
         return back
 

@@ -143,38 +143,37 @@ class ModelGrads:
         so ``take`` can tell which a script edited. ``viewed``: the parameters whose
         ``.grad`` holds that already (written by the pass that filled the master's);
         ``exact``: and their masters' gradients are those half ones cast up, unscaled."""
-        halfs, mirrors = self.mw.halfs, self.mirrors
+        halfs, mirrors, grads, exacts = self.mw.halfs, self.mirrors, self.mw.grads, self.exact
         done = set(viewed)
-        if exact:
-            grads = self.mw.grads
-            for i in done:
-                self.exact[i] = grads[i]._version  # type: ignore[union-attr]
         dst: List[Tensor] = []
         src: List[Tensor] = []
+        copied: List[int] = []
         for i, (h, m) in enumerate(zip(halfs, self.mw.masters)):
-            mg = m.grad
             g = h.grad
+            if i in done:  # written by the pass that filled the master: only noted
+                mirrors[i] = (g, g._version)
+                if exact:
+                    exacts[i] = grads[i]._version  # type: ignore[union-attr]
+                continue
+            mg = m.grad
             if mg is None:
                 if g is not None and mirrors[i] is not None:
-                    h.grad = None  # the master's gradient went (a skipped step, zero_grad)
-                mirrors[i] = None
+                    h.grad = g = None  # the master's gradient went (a skipped step, zero_grad)
+                mirrors[i] = None if g is None else (g, g._version)
                 continue
             if mg.is_sparse:
                 h.grad = mg.to(h.dtype)
                 mirrors[i] = (h.grad, h.grad._version)
                 continue
-            if i in done:
-                continue
             if g is None or g.is_sparse or g.dtype is not h.dtype or g.shape != h.shape:
                 g = h.grad = torch.empty_like(h, memory_format=torch.preserve_format)
             dst.append(g)
             src.append(mg)
+            copied.append(i)
         if dst:
             torch._foreach_copy_(dst, src)
-        for i, h in enumerate(halfs):
-            g = h.grad
-            if g is not None:
-                mirrors[i] = (g, g._version)
+        for i, g in zip(copied, dst):
+            mirrors[i] = (g, g._version)
 
     def step_grad(self, i: int) -> Optional[Tensor]:
         """The gradient a step of master ``i`` reads: the model's half gradient where the

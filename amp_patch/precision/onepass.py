@@ -197,30 +197,21 @@ class Item(NamedTuple):
     hk: int  # its kind
     n: int  # elements
     step: int  # Adam's FP32 step count
-    init: int  # a step: 1 where SGD's first momentum buffer is written (the gradient itself)
+    init: int  # a step: 1 where SGD's first momentum buffer is written (the gradient itself); ``absorb``: the mode
 
 
-class Move(NamedTuple):
-    """One half gradient moved into its FP32 destination (``_onepass.c``'s ``absorb``):
-    the same positions as ``Item``, the state slots empty and the last one the mode."""
+class Work(NamedTuple):
+    """One param group's part of a step."""
 
-    dst: int  # the FP32 destination
-    g: int  # the half gradient
-    gk: int  # its kind
-    a: int = 0
-    b: int = 0
-    c: int = 0
-    h: int = 0
-    hk: int = 0
-    n: int = 0  # elements
-    step: int = 0
-    mode: int = 0  # ``WRITE``, ``ADD`` or ``ZERO_ADD``
+    items: List[tuple]  # the kernel's items (``Item``'s positions) of the parameters whose optimizer state exists
+    pending: List[Entry]  # those whose state the step makes (the first), and empty local shards: ``_items``
+    touched: List[Tensor]  # what the kernel writes in place (parameters, half weights, DTensor keys)
 
 
 class Plan(NamedTuple):
-    """One step's work: per param group ``(entries, halfs)``."""
+    """One step's work: a ``Work`` per param group."""
 
-    groups: List[Tuple[List[Entry], List[Tensor]]]
+    groups: List[Work]
 
 
 _STRIDED = torch.strided
@@ -237,14 +228,11 @@ def _plain(t: Tensor) -> bool:
     return type(t) in _PLAIN and t.is_cpu and t.layout is _STRIDED and t.is_contiguous()
 
 
-def _own(t: Tensor) -> Tensor:
-    """``t``, or its local shard where it is a DTensor (FSDP2's optimizer state)."""
-    return t if type(t) in _PLAIN else local(t)
-
-
 def dense(t: Tensor, n: int) -> bool:
-    """``_plain`` with ``n`` elements."""
-    return _plain(t) and t.numel() == n
+    """``_plain`` with ``n`` elements. (Written out rather than calling ``_plain``: it is
+    read for every tensor of every parameter at every step, and a call costs as much
+    as two of its checks.)"""
+    return type(t) in _PLAIN and t.is_cpu and t.layout is _STRIDED and t.is_contiguous() and t.numel() == n
 
 
 #: elements of work for each thread the kernel starts beyond the calling one: it
@@ -285,11 +273,14 @@ def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: Union[float, Tensor], f
     same pass (the model's ``.grad`` as a view of the master's, without reading the FP32
     gradient again); where that is ``g`` already (written unscaled) nothing is written."""
     items = []
+    total = 0
     for dst, g, mode in moves:
-        at, kind = g.data_ptr(), KINDS[g.dtype]
-        # positional, as the C reads it (Move's fields): one per parameter per backward
-        items.append(Move(dst.data_ptr(), at, kind, 0, 0, 0, at if back else 0, kind if back else 0, dst.numel(), 0, mode))
-    threads = threads_for(sum(it.n for it in items))
+        at, kind, n = g.data_ptr(), KINDS[g.dtype], dst.numel()
+        total += n
+        # positional, as the C reads it: Item's fields, the state slots empty, the h slot
+        # the write-back and the last one the mode (one per parameter per backward)
+        items.append((dst.data_ptr(), at, kind, 0, 0, 0, at if back else 0, kind if back else 0, n, 0, mode))
+    threads = threads_for(total)
     if isinstance(inv, Tensor):
         native.absorb(items, threads, 1.0, found, inv.data_ptr())
     else:
@@ -329,43 +320,70 @@ class OnePassStep:
         parameters' own. ``flagged``: the step comes with a device skip flag, which
         the plain step would have to read on the host; without masters the kernel
         then takes every step it computes exactly, worth it or not.
+
+        The kernel's items are built here, in the pass that checks the tensors: this
+        runs for every parameter at every step, so each tensor is read once.
         """
         mw, opt = self.mw, self.opt
         wanted = mw is not None or (self.exact if flagged else self._worth_it())
         if native is None or not wanted or torch.compiler.is_compiling() \
                 or refused(opt, self.original) is not None:
             return None
+        if mw is None:
+            index: Dict[int, int] = {}
+            masters: List[Tensor] = []
+            half_of: List[Tensor] = []
+            step_grad = None
+        else:
+            index, masters, half_of, step_grad = mw.index, mw.masters, mw.halfs, mw.model_view.step_grad
         groups = []
-        index = {} if mw is None else mw.index
+        work = False
         state_of = opt.state
         for group in opt.param_groups:
-            entries: List[Entry] = []
-            halfs: List[Tensor] = []
+            items: List[tuple] = []
+            pending: List[Entry] = []
+            touched: List[Tensor] = []
+            stateless = not self.adam and group["momentum"] == 0  # plain SGD keeps no state
             for p in group["params"]:
                 i = index.get(id(p))
-                h = mw.halfs[i] if i is not None and mw.masters[i] is p else None
-                g = p.grad if h is None else mw.model_view.step_grad(i)  # type: ignore[union-attr]
+                if i is not None and masters[i] is p:
+                    h = half_of[i]
+                    g = step_grad(i)  # type: ignore[misc]
+                else:
+                    h, g = None, p.grad
                 if g is None:
                     continue
                 key = None
-                if type(p) not in _PLAIN and is_dtensor(p):
+                if type(p) not in _PLAIN:
                     # FSDP2's sharded parameter: its local shard, with the gradient's
-                    if not is_dtensor(g) or g.placements != p.placements or h is not None:
+                    if h is not None or not is_dtensor(p) or not is_dtensor(g) or g.placements != p.placements:
                         return None
                     key, p, g = p, local(p), local(g)
                 n = p.numel()
                 if p.dtype is not f32 or g.dtype not in KINDS or not dense(p, n) or not dense(g, n):
                     return None
-                if h is not None:
-                    if h.dtype not in KINDS or not dense(h, n):
-                        return None
-                    halfs.append(h)
-                state = self._state(state_of.get(p if key is None else key), group, n)
+                if h is not None and (h.dtype not in KINDS or not dense(h, n)):
+                    return None
+                state = _NO_STATE if stateless else self._state(state_of.get(p if key is None else key), group, n)
                 if state is False:
                     return None
-                entries.append(Entry(p, g, h, state, key))
-            groups.append((entries, halfs))
-        if not any(entries for entries, _ in groups):
+                touched.append(p)
+                if h is not None:
+                    touched.append(h)
+                if key is not None:
+                    touched.append(key)
+                if state is None or n == 0:
+                    pending.append(Entry(p, g, h, state, key))
+                    continue
+                a, b, c, step = state
+                # positional, as the C reads it (Item's fields)
+                items.append((p.data_ptr(), g.data_ptr(), KINDS[g.dtype], 0 if a is None else a.data_ptr(),
+                              0 if b is None else b.data_ptr(), 0 if c is None else c.data_ptr(),
+                              0 if h is None else h.data_ptr(), 0 if h is None else KINDS[h.dtype], n,
+                              0 if step is None else step.data_ptr(), 0))
+            work = work or bool(touched)
+            groups.append(Work(items, pending, touched))
+        if not work:
             return None  # no gradient at all: the plain step has nothing to do either
         return Plan(groups)
 
@@ -379,31 +397,40 @@ class OnePassStep:
         return self.adam or any(g["momentum"] != 0 or g["weight_decay"] != 0 for g in self.opt.param_groups)
 
     def _state(self, s: Optional[Dict[str, Any]], group: Dict[str, Any], n: int) -> Union[Tuple[Optional[Tensor], ...], bool, None]:
-        """``(a, b, c, step)`` from a parameter's optimizer state ``s``; None where the step
-        creates it (the first); False where the kernel cannot take it (the plain step raises or copes)."""
+        """``(a, b, c, step)`` from a parameter's optimizer state ``s`` (Adam's, or SGD's with
+        momentum: without, there is none); None where the step creates it (the first); False
+        where the kernel cannot take it (the plain step raises or copes). Read for every
+        parameter at every step, so written out: no helper calls, no generators."""
         if not self.adam:
-            if group["momentum"] == 0:
-                return _NO_STATE
             a = s.get("momentum_buffer") if s else None
             if a is None:
                 return None
-            a = _own(a)
+            if type(a) not in _PLAIN:
+                a = local(a)
             return (a, None, None, None) if a.dtype is f32 and dense(a, n) else False
         if not s:
             return None if _get_scalar_dtype() == f32 else False
-        amsgrad = group["amsgrad"]
-        if "exp_avg" not in s or "exp_avg_sq" not in s or "step" not in s or (amsgrad and "max_exp_avg_sq" not in s):
+        a, b, step = s.get("exp_avg"), s.get("exp_avg_sq"), s.get("step")
+        c = s.get("max_exp_avg_sq") if group["amsgrad"] else None
+        if a is None or b is None or step is None or (c is None and group["amsgrad"]):
             return False
-        a, b, step = _own(s["exp_avg"]), _own(s["exp_avg_sq"]), s["step"]
-        c = _own(s["max_exp_avg_sq"]) if amsgrad else None
-        if not isinstance(step, Tensor) or step.dtype != f32 or not dense(step, 1):
+        if not isinstance(step, Tensor) or step.dtype is not f32 or not dense(step, 1):
             return False
-        if any(t.dtype != f32 or not dense(t, n) for t in (a, b) + ((c,) if amsgrad else ())):
+        # FSDP2: the DTensors' local shards
+        if type(a) not in _PLAIN:
+            a = local(a)
+        if type(b) not in _PLAIN:
+            b = local(b)
+        if c is not None and type(c) not in _PLAIN:
+            c = local(c)
+        if a.dtype is not f32 or b.dtype is not f32 or not dense(a, n) or not dense(b, n):
+            return False
+        if c is not None and (c.dtype is not f32 or not dense(c, n)):
             return False
         return (a, b, c, step)
 
     def _items(self, group: Dict[str, Any], entries: List[Entry], skip: Optional[Tensor] = None) -> List[Item]:
-        """The kernel's items for ``entries``, making the state a first step creates as
+        """The kernel's items for ``entries`` (``Work.pending``), making the state a first step creates as
         the optimizer's own first step makes it (same tensors, same keys, same order).
         With a ``skip`` flag the state is made whether or not the step is taken, as
         torch's ``fused`` optimizers make it under ``GradScaler``: Adam's at step 0,
@@ -450,7 +477,7 @@ class OnePassStep:
         if self.adam:
             return True
         return not any(e.state is None and g["dampening"] != 0
-                       for g, (entries, _) in zip(self.opt.param_groups, plan.groups) for e in entries)
+                       for g, work in zip(self.opt.param_groups, plan.groups) for e in work.pending)
 
     @torch.no_grad()
     def run(self, plan: Plan, skip: Optional[Tensor] = None) -> bool:
@@ -464,11 +491,12 @@ class OnePassStep:
         opt = self.opt
         inv = 1.0
         at = 0 if skip is None else skip.data_ptr()
-        for group, (entries, halfs) in zip(opt.param_groups, plan.groups):
-            if not entries:
+        for group, (items, pending, touched) in zip(opt.param_groups, plan.groups):
+            if not touched:
                 continue
-            items = self._items(group, entries, skip)
-            threads = threads_for(sum(it.n for it in items))
+            if pending:
+                items = items + self._items(group, pending, skip)
+            threads = threads_for(sum(it[8] for it in items))  # Item.n
             if not items:
                 pass
             elif self.adam:
@@ -481,8 +509,7 @@ class OnePassStep:
                            group["dampening"], group["nesterov"], group["lr"], at)
             # the weights changed in place behind autograd's back (the half model's, and
             # FP32 parameters that are the model's own): a graph that saved them must say so
-            torch.autograd.graph.increment_version([e.p for e in entries] + halfs
-                                                   + [e.key for e in entries if e.key is not None])
+            torch.autograd.graph.increment_version(touched)
         self.runs += 1
         if skip is not None:
             self._skipped.add(skip)
