@@ -221,17 +221,11 @@ _NO_STATE = (None, None, None, None)
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def _plain(t: Tensor) -> bool:
-    """A plain, dense, contiguous CPU tensor: memory the kernel can read and write by
-    address. (Read per parameter at every step and per gradient in a backward:
-    ``is_cpu`` costs a sixth of building ``t.device``.)"""
-    return type(t) in _PLAIN and t.is_cpu and t.layout is _STRIDED and t.is_contiguous()
-
-
 def dense(t: Tensor, n: int) -> bool:
-    """``_plain`` with ``n`` elements. (Written out rather than calling ``_plain``: it is
-    read for every tensor of every parameter at every step, and a call costs as much
-    as two of its checks.)"""
+    """A plain, dense, contiguous CPU tensor of ``n`` elements: memory the kernel can read
+    and write by address. (Read for every tensor of every parameter at every step and
+    every gradient of a backward, so written as one expression: ``is_cpu`` costs a
+    sixth of building ``t.device``, and a helper call as much as two of the checks.)"""
     return type(t) in _PLAIN and t.is_cpu and t.layout is _STRIDED and t.is_contiguous() and t.numel() == n
 
 
@@ -257,9 +251,15 @@ def _ptr(t: Optional[Tensor]) -> int:
 WRITE, ADD, ZERO_ADD = 0, 1, 2
 
 
+#: the half gradients' dtypes
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def absorbable(g: Tensor) -> bool:
-    """A half gradient ``absorb`` takes: dense, contiguous, on the CPU, out of any graph."""
-    return g.dtype in KINDS and g.dtype is not f32 and not g.requires_grad and _plain(g)
+    """A half gradient ``absorb`` takes: dense, contiguous, on the CPU, out of any graph
+    (``dense``'s checks but the size, written out for the same reason)."""
+    return type(g) in _PLAIN and g.dtype in _HALF and not g.requires_grad and g.is_cpu \
+        and g.layout is _STRIDED and g.is_contiguous()
 
 
 def absorb(moves: List[Tuple[Tensor, Tensor, int]], inv: Union[float, Tensor], found: int, back: bool = False) -> None:
