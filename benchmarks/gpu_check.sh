@@ -10,7 +10,12 @@
 #    step, tests/test_cuda.py's set_sync_debug_mode("error") test proves it), O3 and, where an
 #    Apex checkout is given, apex.amp O1/O2), CUDA-event times, peak memory, host syncs per
 #    step, in bench.md;
-# 3. versions, device and driver in env.txt.
+# 3. a profiler diff of O1 against autocast on the GPT-style workload: the aten ops and CUDA
+#    kernels whose calls or bytes differ, with their time, in op_diff_O1.md;
+# 4. `amp-patch demo` on the GPU (FP32, O1, O2 on the tutorial's SimpleNet), in demo.txt;
+#    the CUDA tests of step 1 include Apex's stand-ins (FusedAdam, FusedLAMB, the fused
+#    norms, the xentropy loss, amp_C) against their CPU results;
+# 5. versions, device and driver in env.txt.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -31,7 +36,7 @@ cat "$OUT/env.txt"
 "$PY" setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 || echo "C fast path did not build; pure-Python wrappers" | tee -a "$OUT/build.txt"
 
 echo "== CUDA tests"
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests -W ignore::DeprecationWarning 2>&1 \
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests -W ignore::DeprecationWarning 2>&1 \
   | tee "$OUT/cuda_tests.log" | tail -25
 
 echo "== GPU benchmark"
@@ -40,6 +45,13 @@ if [ -n "${APEX_DIR:-}" ] && [ -d "$APEX_DIR/apex/amp" ]; then
   export PYTHONPATH="$PYTHONPATH:$APEX_DIR"
   modes="$modes apex-O1 apex-O2"
 fi
-timeout "${BENCH_TIMEOUT:-330}" "$PY" benchmarks/suite.py --device cuda --workloads gpt resnet --modes $modes \
+timeout "${BENCH_TIMEOUT:-220}" "$PY" benchmarks/suite.py --device cuda --workloads gpt resnet --modes $modes \
   --rounds "${ROUNDS:-6}" --block-seconds 0.5 --output "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -30
+
+echo "== O1 against autocast, op by op"
+timeout 60 "$PY" benchmarks/op_diff.py --device cuda --workload gpt --modes autocast O1 \
+  > "$OUT/op_diff_O1.md" 2>&1; tail -40 "$OUT/op_diff_O1.md"
+
+echo "== amp-patch demo on the GPU"
+timeout 90 "$PY" -m amp_patch demo --device cuda --no-progress > "$OUT/demo.txt" 2>&1; tail -25 "$OUT/demo.txt"
 echo "== done"

@@ -158,3 +158,43 @@ def test_time_outside_the_gemms_leaves_out_exactly_the_gemm_ops():
     assert set(rest) == set(phases.PHASES)
     assert all(v > 0 for v in rest.values())
     assert rest["forward"] < 0.5 * whole["forward"]  # the addmms are most of it
+
+
+def _op_rows(out: str) -> dict:
+    """op_diff's table rows, by op: (calls A, calls B, ms A, ms B, MB A, MB B)."""
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 7 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = tuple(float(c) for c in cells[1:])
+    return rows
+
+
+def test_the_op_diff_of_a_mode_against_itself_is_empty(capsys, tmp_path, monkeypatch):
+    """``benchmarks/op_diff.py`` lists only the ops two modes call differently: a mode
+    against itself lists none, and the totals agree; it writes no file."""
+    monkeypatch.chdir(tmp_path)
+    op_diff = _load("op_diff")
+    assert op_diff.main(["--workload", "smallops", "--modes", "O1", "O1", "--warmup", "1", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert _op_rows(out) == {}
+    total = next(line for line in out.splitlines() if line.startswith("| **all aten ops**"))
+    cells = [c.strip() for c in total.split("|")[1:-1]]
+    assert cells[1] == cells[2] and cells[5] == cells[6] and float(cells[1]) > 100  # calls, bytes
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_op_diff_shows_o1_casting_no_more_than_autocast(capsys):
+    """On the GPT workload O1 moves exactly the bytes autocast's casts move (the same
+    casts), and what it calls less of is the optimizer's update (momentum's ``mul_``/
+    ``add_``, which the one-pass step does in C where it is built)."""
+    op_diff = _load("op_diff")
+    op_diff.main(["--workload", "gpt", "--scale", "0.25", "--modes", "autocast", "O1", "--warmup", "2", "--steps", "1"])
+    rows = _op_rows(capsys.readouterr().out)
+    casts = rows.get("aten::_to_copy")
+    assert casts is None or casts[4] == casts[5]  # the same megabytes cast, if listed at all
+    from amp_patch.precision import onepass
+    if onepass.native is not None:
+        assert rows["aten::mul_"][0] > rows["aten::mul_"][1]
+    else:  # torch's own SGD step in both
+        assert "aten::mul_" not in rows

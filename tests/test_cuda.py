@@ -177,16 +177,19 @@ def test_the_backward_never_syncs_and_the_step_syncs_once_on_cuda(level):
 
 
 @pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_fused"])
-@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3", "O4", "O5"])
 def test_a_whole_step_makes_no_host_sync_on_cuda(level, opt_name):
     # sync-free steps: the loss scale and the verdict stay on the GPU, and torch's fused
-    # updates take the verdict as found_inf; an overflow is forced on one step
+    # updates take the verdict as found_inf; an overflow is forced on one step where the
+    # loss is scaled (FP16 at O1/O2; O3's static scale of 1 checks nothing, as Apex's)
+    scaled = level in ("O1", "O2")
+
     def train(sync_free):
         torch.manual_seed(0)
         model = mlp(32, 64, 8).cuda()
         opt = (torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if opt_name == "adam_fused"
                else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True))
-        half = "bfloat16" if level == "O5" else "float16"
+        half = "bfloat16" if level in ("O4", "O5") else "float16"
         model, opt = amp_patch.initialize(model, opt, level, half_dtype=half, verbosity=0, sync_free=sync_free)
         g = torch.Generator(device="cuda").manual_seed(1)
         try:
@@ -197,7 +200,7 @@ def test_a_whole_step_makes_no_host_sync_on_cuda(level, opt_name):
                     torch.cuda.set_sync_debug_mode("error")
                 try:
                     loss = F.mse_loss(model(x).float(), y)
-                    if i == 3 and level != "O5":
+                    if i == 3 and scaled:
                         loss = loss * float("inf")
                     loss.backward()
                     opt.step()
@@ -213,4 +216,123 @@ def test_a_whole_step_makes_no_host_sync_on_cuda(level, opt_name):
     want, c_want = train(False)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert c_got == c_want
-    assert c_got["skipped"] == (0 if level == "O5" else 1)
+    assert c_got["skipped"] == (1 if scaled else 0)
+
+
+# ---------------------------------------------------------------- Apex's stand-ins on a GPU
+# Each is checked against Apex's own formulas on the CPU (tests/apex_standins); here it
+# must compute on CUDA tensors what it computes on CPU ones, from the same values.
+
+
+def _standin_optimizers():
+    from amp_patch.apex.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+
+    return {
+        "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
+        "FusedAdam_l2": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01, adam_w_mode=False),
+        "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01),
+        "FusedSGD": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+        "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=1e-2),
+        "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=0.1),
+    }
+
+
+def _train_standin(make, device, level=None):
+    torch.manual_seed(0)
+    model = mlp(16, 32, 4).to(device)
+    opt = make(model.parameters())
+    if level is not None:
+        model, opt = amp_patch.initialize(model, opt, level, half_dtype="float16", verbosity=0)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(5):
+            x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 4, generator=g).to(device)
+            F.mse_loss(model(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().float().cpu() for p in model.parameters()]
+    finally:
+        if level is not None:
+            amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedAdam_l2", "FusedLAMB", "FusedSGD", "FusedNovoGrad", "FusedAdagrad"])
+def test_apex_optimizer_standins_step_on_cuda_as_on_the_cpu(name):
+    make = _standin_optimizers()[name]
+    for got, want in zip(_train_standin(make, "cuda"), _train_standin(make, "cpu")):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_apex_fused_adam_trains_under_fp16_on_cuda(level):
+    from amp_patch.apex.optimizers import FusedAdam
+
+    fp32 = _train_standin(lambda ps: FusedAdam(ps, lr=1e-2), "cuda")
+    got = _train_standin(lambda ps: FusedAdam(ps, lr=1e-2), "cuda", level)
+    for a, b in zip(got, fp32):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # FP16's precision over five steps
+
+
+@pytest.mark.parametrize("kind", ["FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm"])
+def test_apex_fused_norms_on_cuda_as_on_the_cpu(kind):
+    from amp_patch.apex import normalization as N
+
+    torch.manual_seed(0)
+    cpu = getattr(N, kind)(8)
+    with torch.no_grad():
+        cpu.weight.uniform_(0.5, 1.5)
+        if getattr(cpu, "bias", None) is not None:
+            cpu.bias.uniform_(-0.5, 0.5)
+    gpu = __import__("copy").deepcopy(cpu).cuda()
+    dtype = torch.float16 if kind.startswith("Mixed") else torch.float32  # Mixed*: half input, FP32 weights
+    x = torch.randn(4, 8).to(dtype)
+    xc, xg = x.clone().requires_grad_(), x.cuda().requires_grad_()
+    yc, yg = cpu(xc), gpu(xg)
+    assert yg.dtype == yc.dtype
+    torch.testing.assert_close(yg.cpu(), yc, rtol=1e-3, atol=1e-3)
+    yc.float().square().sum().backward()
+    yg.float().square().sum().backward()
+    torch.testing.assert_close(xg.grad.cpu(), xc.grad, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gpu.weight.grad.cpu(), cpu.weight.grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("half_to_float", [False, True])
+def test_apex_xentropy_on_cuda_as_on_the_cpu(half_to_float):
+    from amp_patch.apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 10).half()
+    labels = torch.tensor([0, 3, 9, 1, 0, 5])
+    xc, xg = x.clone().requires_grad_(), x.cuda().requires_grad_()
+    lc = SoftmaxCrossEntropyLoss.apply(xc, labels, 0.1, 0, half_to_float)
+    lg = SoftmaxCrossEntropyLoss.apply(xg, labels.cuda(), 0.1, 0, half_to_float)
+    assert lg.dtype == lc.dtype
+    torch.testing.assert_close(lg.cpu(), lc, rtol=1e-3, atol=1e-3)
+    lc.float().sum().backward()
+    lg.float().sum().backward()
+    torch.testing.assert_close(xg.grad.cpu(), xc.grad, rtol=1e-3, atol=1e-3)
+
+
+def test_amp_c_kernels_on_cuda_as_on_the_cpu():
+    from amp_patch.apex import amp_C
+
+    torch.manual_seed(0)
+    xs = [torch.randn(n) for n in (5, 300, 7)]
+    ys = [torch.randn(n) for n in (5, 300, 7)]
+
+    def run(device):
+        flag = torch.zeros(1, dtype=torch.int, device=device)
+        x = [t.to(device) for t in xs]
+        y = [t.to(device) for t in ys]
+        scaled = [torch.empty_like(t) for t in x]
+        amp_C.multi_tensor_scale(65536, flag, [x, scaled], 0.25)
+        out = [torch.empty_like(t) for t in x]
+        amp_C.multi_tensor_axpby(65536, flag, [x, y, out], 0.5, 2.0, -1)
+        total, per = amp_C.multi_tensor_l2norm(65536, flag, [x], True)
+        g, p, m, v = ([t.clone() for t in y], [t.clone() for t in x], [torch.zeros_like(t) for t in x],
+                      [torch.zeros_like(t) for t in x])
+        amp_C.multi_tensor_adam(65536, flag, [g, p, m, v], 1e-2, 0.9, 0.999, 1e-8, 1, 1, 1, 0.1)
+        return [t.cpu() for t in scaled + out + [total, per] + p + m + v + [flag]]
+
+    for got, want in zip(run("cuda"), run("cpu")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
