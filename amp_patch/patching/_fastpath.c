@@ -55,7 +55,7 @@ typedef struct {
     PyObject *castable;        /* tuple of the dtypes that trigger a cast */
     PyObject *to;              /* the dtype cast to */
     PyObject *convert;         /* TensorBase.bfloat16 / .half / .float */
-    PyObject *cache_cast;      /* CastCache.cast, or None: no cache */
+    PyObject *cache_cast;      /* CastCache.cast, or None: no cache (the cache of this op, if any) */
     PyObject *cache_maps;      /* CastCache._maps: ({id: entry} without grad, with grad) */
     PyObject *cache_counts;    /* CastCache.counts: [hits, misses] */
     PyObject *live;            /* the session's Live flag object (.on) */
@@ -72,6 +72,8 @@ static initproc base_init;          /* wrapt._FunctionWrapperBase's, takes the b
 static int wrapt_heap;              /* wrapt >= 2.2 builds heap types, which visit and
                                        release the object's type themselves */
 static PyTypeObject *tensor_type;   /* torch.Tensor */
+static PyTypeObject *parameter_type; /* torch.nn.Parameter */
+static PyObject *entry_type;        /* cast.CacheEntry; set by bind() */
 static PyObject *disabled;          /* wrappers.disabled: {thread: depth}; set by bind() */
 static PyObject *python_only;       /* wrappers.python_only: non-empty = Python only; set by bind() */
 static PyObject *grad_enabled;      /* torch._C.is_grad_enabled */
@@ -209,6 +211,48 @@ cache_hit(Fast *f, PyObject *a)
     return copy;
 }
 
+/* Weight `a` (a leaf that requires grad) converted and its copy kept, as
+   CastCache.cast does on a miss: the cache is emptied at every forward, so each
+   weight misses once per forward, and a trip through Python there cost three
+   times the conversion of a small weight. A new reference. */
+static PyObject *
+cache_miss(Fast *f, PyObject *a)
+{
+    PyObject *out, *grad, *key, *fields[ENTRY_SIZE], *entry, *misses;
+    int stored = -1;
+
+    grad = PyObject_CallNoArgs(grad_enabled); /* the map of the mode the copy is made in */
+    if (grad == NULL)
+        return NULL;
+    out = PyObject_Vectorcall(f->convert, &a, 1, NULL);
+    /* a subclass (torch.compile's FakeTensor) has no storage to key on: converted only */
+    if (out == NULL || (Py_TYPE(a) != tensor_type && Py_TYPE(a) != parameter_type)) {
+        Py_DECREF(grad);
+        return out;
+    }
+    fields[ENTRY_TENSOR] = a;
+    fields[ENTRY_TO] = f->to;
+    fields[ENTRY_VERSION] = PyObject_GetAttr(a, str_version);
+    fields[ENTRY_DATA_PTR] = fields[ENTRY_VERSION] ? PyObject_CallMethodNoArgs(a, str_data_ptr) : NULL;
+    fields[ENTRY_COPY] = out;
+    key = PyLong_FromVoidPtr(a);
+    entry = fields[ENTRY_DATA_PTR] && key ? PyObject_Vectorcall(entry_type, fields, ENTRY_SIZE, NULL) : NULL;
+    if (entry != NULL)
+        stored = PyDict_SetItem(PyTuple_GET_ITEM(f->cache_maps, grad == Py_True), key, entry);
+    if (stored == 0) {
+        misses = PyNumber_Add(PyList_GET_ITEM(f->cache_counts, 1), one);
+        stored = misses == NULL ? -1 : PyList_SetItem(f->cache_counts, 1, misses); /* steals misses */
+    }
+    Py_DECREF(grad);
+    Py_XDECREF(fields[ENTRY_VERSION]);
+    Py_XDECREF(fields[ENTRY_DATA_PTR]);
+    Py_XDECREF(key);
+    Py_XDECREF(entry);
+    if (stored < 0)
+        Py_CLEAR(out);
+    return out;
+}
+
 /* One castable tensor converted as wrappers.cast_args converts it: a leaf
    that requires grad may be a weight, served by the cache; a new reference.
    The cache never holds anything else (CastCache.cast stores leaves only),
@@ -223,11 +267,10 @@ cast_one(Fast *f, PyObject *a)
         if (grad < 0)
             return NULL;
         if (grad) {
-            PyObject *cache_args[2] = {a, f->to};
             PyObject *copy = cache_hit(f, a);
             if (copy != NULL || PyErr_Occurred())
                 return copy;
-            return PyObject_Vectorcall(f->cache_cast, cache_args, 2, NULL);
+            return cache_miss(f, a);
         }
     }
     return PyObject_Vectorcall(f->convert, &a, 1, NULL);
@@ -635,17 +678,26 @@ differ:
     return 0;
 }
 
-/* bind(disabled, python_only, OpSpec._fields, CacheEntry._fields): the two dicts read on
-   every call, and the layouts read by position, checked here once */
+/* bind(disabled, python_only, OpSpec._fields, CacheEntry): the two dicts read on every
+   call, the cache's entry type (made on a miss), and the layouts read by position,
+   checked here once */
 static PyObject *
 fast_bind(PyObject *module, PyObject *args)
 {
-    PyObject *off, *only, *spec_fields, *entry_fields;
-    if (!PyArg_ParseTuple(args, "O!O!OO", &PyDict_Type, &off, &PyDict_Type, &only, &spec_fields, &entry_fields))
+    PyObject *off, *only, *spec_fields, *entry, *entry_fields;
+    int same;
+    if (!PyArg_ParseTuple(args, "O!O!OO!", &PyDict_Type, &off, &PyDict_Type, &only, &spec_fields, &PyType_Type, &entry))
         return NULL;
-    if (!same_names(spec_fields, spec_names, SPEC_READ, "spec.OpSpec") ||
-        !same_names(entry_fields, entry_names, ENTRY_SIZE, "cast.CacheEntry"))
+    entry_fields = PyObject_GetAttrString(entry, "_fields");
+    if (entry_fields == NULL)
         return NULL;
+    same = same_names(spec_fields, spec_names, SPEC_READ, "spec.OpSpec") &&
+           same_names(entry_fields, entry_names, ENTRY_SIZE, "cast.CacheEntry");
+    Py_DECREF(entry_fields);
+    if (!same)
+        return NULL;
+    Py_INCREF(entry);
+    Py_XSETREF(entry_type, entry);
     if (!PyDict_CheckExact(off) || !PyDict_CheckExact(only)) {
         PyErr_SetString(PyExc_TypeError, "disabled and python_only must be plain dicts");
         return NULL;
@@ -659,8 +711,8 @@ fast_bind(PyObject *module, PyObject *args)
 
 static PyMethodDef fastpath_methods[] = {
     {"bind", fast_bind, METH_VARARGS,
-     "bind(disabled, python_only, spec_fields, entry_fields): the switches every call reads, and a check of "
-     "the layouts read by position. Called once by amp_patch.patching.wrappers."},
+     "bind(disabled, python_only, spec_fields, entry_type): the switches every call reads, the weight cache's "
+     "entry type, and a check of the layouts read by position. Called once by amp_patch.patching.wrappers."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -702,11 +754,12 @@ PyInit__fastpath(void)
     if (grad_enabled == NULL)
         return NULL;
     tensor_type = (PyTypeObject *)import_attr("torch", "Tensor");
+    parameter_type = (PyTypeObject *)import_attr("torch.nn", "Parameter");
     float32 = import_attr("torch", "float32");
     function_wrapper = import_attr("wrapt", "FunctionWrapper");
-    if (!tensor_type || !float32 || !function_wrapper)
+    if (!tensor_type || !parameter_type || !float32 || !function_wrapper)
         goto fail;
-    if (!PyType_Check(tensor_type) || !PyType_Check(function_wrapper)) {
+    if (!PyType_Check(tensor_type) || !PyType_Check(parameter_type) || !PyType_Check(function_wrapper)) {
         PyErr_SetString(PyExc_ImportError, "unexpected torch.Tensor or wrapt");
         goto fail;
     }

@@ -664,7 +664,7 @@ else:
     try:
         from . import _fastpath as fast
 
-        fast.bind(disabled, python_only, OpSpec._fields, CacheEntry._fields)
+        fast.bind(disabled, python_only, OpSpec._fields, CacheEntry)
         fast.__class__ = _FastPathModule
     except ImportError as exc:  # no compiler at install, or wrapt without its C extension
         FAST_UNAVAILABLE = str(exc)

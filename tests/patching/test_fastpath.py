@@ -9,6 +9,8 @@ containers, in-place ops, disable_casts per thread, binding).
 """
 from __future__ import annotations
 
+import collections
+
 import gc
 import os
 import subprocess
@@ -172,6 +174,34 @@ def test_weights_are_cast_once_through_the_cache(o4):
     assert cache.misses - misses == 2
     amp_patch.deinitialize()
     assert same(out.detach(), torch.mm(t["x"].to(bf16), w.detach().to(bf16)))
+
+
+def test_a_miss_on_the_c_path_keeps_the_copy_the_python_path_would(o4):
+    """A weight the C path casts on a miss is stored as ``CastCache.cast`` stores it (a
+    ``CacheEntry`` under the weight's id, in the map of the grad mode it was made in),
+    so the Python wrappers' cache serves that very copy; a tensor subclass is cast but
+    not kept, as in Python."""
+    from amp_patch.patching.cast import CacheEntry
+
+    t = make()
+    w = torch.nn.Parameter(t["y"].clone())
+    cache = running.session().cache
+    misses = cache.misses
+    out = torch.mm(t["x"], w)
+    entry = cache._maps[1][id(w)]
+    assert type(entry) is CacheEntry and cache.misses - misses == 1
+    assert entry.tensor is w and entry.to is bf16 and entry.version == w._version and entry.data_ptr == w.data_ptr()
+    assert cache.cast(w, bf16) is entry.copy and entry.copy.dtype == bf16
+    assert same(out.detach(), torch.mm(t["x"].to(bf16), w.detach().to(bf16)))
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = torch.Tensor._make_subclass(Sub, t["y"].clone(), True)  # a leaf that requires grad
+    assert sub.is_leaf and sub.requires_grad
+    misses = cache.misses
+    assert torch.mm(t["x"], sub).dtype == bf16
+    assert id(sub) not in cache._maps[1] and cache.misses == misses
 
 
 def test_a_cached_weight_copy_is_served_only_while_it_is_valid(o4):
@@ -379,9 +409,10 @@ def test_the_c_path_checks_the_layouts_it_reads_by_position():
     fast = fast_path()
     moved = (OpSpec._fields[1], OpSpec._fields[0]) + OpSpec._fields[2:]
     with pytest.raises(ImportError, match=r"spec\.OpSpec's fields are not the ones _fastpath\.c reads by position; rebuild"):
-        fast.bind(wrappers.disabled, wrappers.python_only, moved, CacheEntry._fields)
+        fast.bind(wrappers.disabled, wrappers.python_only, moved, CacheEntry)
+    short = collections.namedtuple("CacheEntry", CacheEntry._fields[:-1])
     with pytest.raises(ImportError, match=r"cast\.CacheEntry's fields"):
-        fast.bind(wrappers.disabled, wrappers.python_only, OpSpec._fields, CacheEntry._fields[:-1])
+        fast.bind(wrappers.disabled, wrappers.python_only, OpSpec._fields, short)
     with pytest.raises(TypeError, match="spec is not an amp_patch.patching.spec.OpSpec"):
         fast.FastOpWrapper(torch.mm, wrappers._call_through, (f32, bf16))
     # still bound to the module's own switches: casting goes on, and disable_casts reaches C
