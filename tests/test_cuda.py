@@ -336,3 +336,38 @@ def test_amp_c_kernels_on_cuda_as_on_the_cpu():
 
     for got, want in zip(run("cuda"), run("cpu")):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_in_a_cuda_graph_capture_is_refused_and_the_forward_alone_captures():
+    # amp_patch's backward and step keep host state a replay would not update: refused
+    # with what works; the forward alone (inference here) captures and replays as eager
+    from amp_patch.base.errors import StateError
+
+    torch.manual_seed(0)
+    model = mlp(32, 64, 8).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    model, opt = amp_patch.initialize(model, opt, "O2", verbosity=0)
+    try:
+        x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as torch's docs capture
+            for _ in range(2):
+                F.mse_loss(model(x).float(), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        torch.cuda.current_stream().wait_stream(side)
+        with pytest.raises(StateError, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                F.mse_loss(model(x).float(), y).backward()
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad():
+            with torch.cuda.graph(graph):
+                captured = model(x)
+            x.copy_(torch.randn(16, 32, device="cuda"))
+            graph.replay()
+            assert torch.equal(captured, model(x))
+        F.mse_loss(model(x).float(), y).backward()  # and training goes on outside the graph
+        opt.step()
+    finally:
+        amp_patch.deinitialize()

@@ -131,3 +131,37 @@ def test_a_backward_traced_by_torch_compile_is_refused_at_the_step(monkeypatch):
         assert same(before, [p.detach() for p in amp_patch.master_params(opt)]), "nothing was stepped"
     finally:
         amp_patch.deinitialize()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_backward_or_step_inside_a_cuda_graph_capture_is_refused_before_it_changes_anything(level, monkeypatch):
+    """A CUDA graph replays kernels without the host state amp_patch keeps, so the patched
+    backward, ``scale_loss``'s backward, ``optimizer.step()`` and ``zero_grad()`` refuse to
+    be captured, naming what works; nothing changes, and the same calls work once the
+    capture is over. (The capture is simulated: the test needs no GPU; tests/test_cuda.py
+    captures for real.)"""
+    from amp_patch.base import eager
+
+    m, opt = setup(level)
+    x, y = batches(1)[0]
+    F.mse_loss(m(x).float(), y).backward()
+    opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in m.parameters()]
+    state = amp_patch.state_dict()
+    loss = F.mse_loss(m(x).float(), y)  # the forward alone may be captured
+    monkeypatch.setattr(eager, "_capturing", lambda: True)
+    for call in (loss.backward, opt.step, opt.zero_grad):
+        with pytest.raises(StateError, match=r"cannot be captured in a CUDA graph.*Capture the forward alone"):
+            call()
+    with pytest.raises(StateError, match="CUDA graph"):
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    assert all(p.grad is None for p in m.parameters())
+    assert same([p.detach() for p in m.parameters()], before) and amp_patch.state_dict() == state
+    monkeypatch.undo()
+    loss = F.mse_loss(m(x).float(), y)
+    loss.backward()
+    opt.step()
+    assert not same([p.detach() for p in m.parameters()], before)
+    amp_patch.deinitialize()
