@@ -41,7 +41,7 @@ from workloads import AMP_MODES, Runner, build  # noqa: E402
 _VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "expand", "as_strided", "detach",
                     "alias", "reshape", "unsqueeze", "squeeze", "select", "slice", "split", "unbind",
                     "_reshape_alias", "view_as", "split_with_sizes", "unflatten", "narrow", "diagonal",
-                    "lift_fresh", "_to_copy_view"})
+                    "lift_fresh"})
 
 
 class Stats:
@@ -90,8 +90,7 @@ def measure(workload: str, mode: str, device: str, half: torch.dtype, scale: flo
                 runner.step()
             _sync(device)
         kernels = Stats() if device == "cuda" else None
-        ops.calls.clear()  # the profiler's count: it also sees the ops an op calls inside
-        for e in prof.key_averages():
+        for e in prof.key_averages():  # calls as the profiler counts them: the ops an op calls inside too
             if e.key.startswith("aten::"):
                 us = e.self_device_time_total if device == "cuda" else e.self_cpu_time_total
                 ops.seconds[e.key] += us / 1e6 / steps
@@ -100,7 +99,7 @@ def measure(workload: str, mode: str, device: str, half: torch.dtype, scale: flo
             for e in prof.events():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
                     kernels.calls[e.name] += 1 / steps
-                    kernels.seconds[e.name] += e.device_time / 1e6 / steps
+                    kernels.seconds[e.name] += e.time_range.elapsed_us() / 1e6 / steps
         ops.seconds["(whole step)"] = _step_seconds(prof, device) / steps
         return ops, kernels
     finally:
