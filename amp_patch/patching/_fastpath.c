@@ -55,8 +55,7 @@ typedef struct {
     PyObject *castable;        /* tuple of the dtypes that trigger a cast */
     PyObject *to;              /* the dtype cast to */
     PyObject *convert;         /* TensorBase.bfloat16 / .half / .float */
-    PyObject *cache_cast;      /* CastCache.cast, or None: no cache (the cache of this op, if any) */
-    PyObject *cache_maps;      /* CastCache._maps: ({id: entry} without grad, with grad) */
+    PyObject *cache_maps;      /* CastCache._maps: ({id: entry} without grad, with grad), or None: no cache */
     PyObject *cache_counts;    /* CastCache.counts: [hits, misses] */
     PyObject *live;            /* the session's Live flag object (.on) */
     int promote;               /* enum mode: FIXED casts to `to`; PROMOTE hands a mix of castable
@@ -260,7 +259,7 @@ cache_miss(Fast *f, PyObject *a)
 static PyObject *
 cast_one(Fast *f, PyObject *a)
 {
-    if (f->cache_cast != Py_None) {
+    if (f->cache_maps != Py_None) {
         int grad = attr_true(a, str_requires_grad);
         if (grad > 0)
             grad = attr_true(a, str_is_leaf);
@@ -476,7 +475,7 @@ static int
 fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     PyObject *wrapped, *wrapper, *spec, *castable, *cache, *mode, *kind, *base_args;
-    PyObject *cache_cast = Py_None, *cache_maps = Py_None, *cache_counts = Py_None;
+    PyObject *cache_maps = Py_None, *cache_counts = Py_None;
     int result = -1;
     double min_flops;
     Fast *f = FAST(self);
@@ -507,10 +506,9 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
     if (min_flops == -1.0 && PyErr_Occurred())
         return -1;
     if (cache != Py_None) {
-        cache_cast = PyObject_GetAttrString(cache, "cast");
         cache_maps = PyObject_GetAttrString(cache, "_maps");
         cache_counts = PyObject_GetAttrString(cache, "counts");
-        if (!cache_cast || !cache_maps || !cache_counts)
+        if (!cache_maps || !cache_counts)
             goto finally;
         if (!(PyTuple_CheckExact(cache_maps) && PyTuple_GET_SIZE(cache_maps) == 2 &&
               PyDict_CheckExact(PyTuple_GET_ITEM(cache_maps, 0)) && PyDict_CheckExact(PyTuple_GET_ITEM(cache_maps, 1)) &&
@@ -531,7 +529,6 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
     SET(castable, castable);
     SET(to, PyTuple_GET_ITEM(spec, SPEC_TO));
     SET(convert, PyTuple_GET_ITEM(spec, SPEC_CONVERT));
-    SET(cache_cast, cache_cast);
     SET(cache_maps, cache_maps);
     SET(cache_counts, cache_counts);
     SET(live, PyTuple_GET_ITEM(spec, SPEC_LIVE));
@@ -543,7 +540,6 @@ fast_init(PyObject *self, PyObject *args, PyObject *kwargs)
 finally:
     /* what getattr returned; the fields hold their own references */
     if (cache != Py_None) {
-        Py_XDECREF(cache_cast);
         Py_XDECREF(cache_maps);
         Py_XDECREF(cache_counts);
     }
@@ -560,7 +556,6 @@ fast_traverse(PyObject *self, visitproc visit, void *arg)
     Py_VISIT(f->castable);
     Py_VISIT(f->to);
     Py_VISIT(f->convert);
-    Py_VISIT(f->cache_cast);
     Py_VISIT(f->cache_maps);
     Py_VISIT(f->cache_counts);
     Py_VISIT(f->live);
@@ -578,7 +573,6 @@ fast_clear(PyObject *self)
     Py_CLEAR(f->castable);
     Py_CLEAR(f->to);
     Py_CLEAR(f->convert);
-    Py_CLEAR(f->cache_cast);
     Py_CLEAR(f->cache_maps);
     Py_CLEAR(f->cache_counts);
     Py_CLEAR(f->live);
