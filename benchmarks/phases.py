@@ -172,7 +172,7 @@ def main(argv: List[str] | None = None) -> None:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=["fp32", "autocast", *LEVELS],
                    help="what to time (autocast always: the ratios are to it)")
     p.add_argument("--around-gemms", action="store_true",
-                   help="also profile each phase's time outside the GEMMs, and the memory it page-faults in")
+                   help="also profile each phase's time outside the GEMMs")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     cpu = "native BF16 instructions" if cpu_has_native_bf16() else \

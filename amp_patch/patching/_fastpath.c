@@ -171,26 +171,17 @@ equals(PyObject *obj, PyObject *name, int call, PyObject *value)
 }
 
 /* The cached copy of weight `a` if CastCache.cast would return it: the entry
-   for id(a) under this grad mode names a, the same target dtype, a's version
-   counter and its data pointer (the caller checked requires_grad). A new
-   reference; NULL and no exception on a miss; NULL and an exception on error. */
+   under `key` (id(a)) in `map` (the cache's map of this grad mode) names a, the
+   same target dtype, a's version counter and its data pointer (the caller checked
+   requires_grad). A new reference; NULL and no exception on a miss; NULL and an
+   exception on error. */
 static PyObject *
-cache_hit(Fast *f, PyObject *a)
+cache_hit(Fast *f, PyObject *a, PyObject *map, PyObject *key)
 {
-    PyObject *grad, *key, *entry, *copy = NULL, *hits;
+    PyObject *entry, *copy = NULL, *hits;
     int same;
 
-    grad = PyObject_CallNoArgs(grad_enabled);
-    if (grad == NULL)
-        return NULL;
-    key = PyLong_FromVoidPtr(a);
-    if (key == NULL) {
-        Py_DECREF(grad);
-        return NULL;
-    }
-    entry = PyDict_GetItemWithError(PyTuple_GET_ITEM(f->cache_maps, grad == Py_True), key);
-    Py_DECREF(grad);
-    Py_DECREF(key);
+    entry = PyDict_GetItemWithError(map, key);
     if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != ENTRY_SIZE ||
         PyTuple_GET_ITEM(entry, ENTRY_TENSOR) != a || PyTuple_GET_ITEM(entry, ENTRY_TO) != f->to)
         return NULL;
@@ -210,42 +201,34 @@ cache_hit(Fast *f, PyObject *a)
     return copy;
 }
 
-/* Weight `a` (a leaf that requires grad) converted and its copy kept, as
-   CastCache.cast does on a miss: the cache is emptied at every forward, so each
-   weight misses once per forward, and a trip through Python there cost three
-   times the conversion of a small weight. A new reference. */
+/* Weight `a` converted and its copy kept under `key` in `map`, as CastCache.cast
+   does on a miss. The cache is emptied at every forward, so every weight misses
+   once per forward; a trip through Python there cost more than converting a small
+   weight. A new reference. */
 static PyObject *
-cache_miss(Fast *f, PyObject *a)
+cache_miss(Fast *f, PyObject *a, PyObject *map, PyObject *key)
 {
-    PyObject *out, *grad, *key, *fields[ENTRY_SIZE], *entry, *misses;
+    PyObject *out, *fields[ENTRY_SIZE], *entry, *misses;
     int stored = -1;
 
-    grad = PyObject_CallNoArgs(grad_enabled); /* the map of the mode the copy is made in */
-    if (grad == NULL)
-        return NULL;
     out = PyObject_Vectorcall(f->convert, &a, 1, NULL);
     /* a subclass (torch.compile's FakeTensor) has no storage to key on: converted only */
-    if (out == NULL || (Py_TYPE(a) != tensor_type && Py_TYPE(a) != parameter_type)) {
-        Py_DECREF(grad);
+    if (out == NULL || (Py_TYPE(a) != tensor_type && Py_TYPE(a) != parameter_type))
         return out;
-    }
     fields[ENTRY_TENSOR] = a;
     fields[ENTRY_TO] = f->to;
     fields[ENTRY_VERSION] = PyObject_GetAttr(a, str_version);
     fields[ENTRY_DATA_PTR] = fields[ENTRY_VERSION] ? PyObject_CallMethodNoArgs(a, str_data_ptr) : NULL;
     fields[ENTRY_COPY] = out;
-    key = PyLong_FromVoidPtr(a);
-    entry = fields[ENTRY_DATA_PTR] && key ? PyObject_Vectorcall(entry_type, fields, ENTRY_SIZE, NULL) : NULL;
+    entry = fields[ENTRY_DATA_PTR] ? PyObject_Vectorcall(entry_type, fields, ENTRY_SIZE, NULL) : NULL;
     if (entry != NULL)
-        stored = PyDict_SetItem(PyTuple_GET_ITEM(f->cache_maps, grad == Py_True), key, entry);
+        stored = PyDict_SetItem(map, key, entry);
     if (stored == 0) {
         misses = PyNumber_Add(PyList_GET_ITEM(f->cache_counts, 1), one);
         stored = misses == NULL ? -1 : PyList_SetItem(f->cache_counts, 1, misses); /* steals misses */
     }
-    Py_DECREF(grad);
     Py_XDECREF(fields[ENTRY_VERSION]);
     Py_XDECREF(fields[ENTRY_DATA_PTR]);
-    Py_XDECREF(key);
     Py_XDECREF(entry);
     if (stored < 0)
         Py_CLEAR(out);
@@ -253,9 +236,10 @@ cache_miss(Fast *f, PyObject *a)
 }
 
 /* One castable tensor converted as wrappers.cast_args converts it: a leaf
-   that requires grad may be a weight, served by the cache; a new reference.
-   The cache never holds anything else (CastCache.cast stores leaves only),
-   so an activation is converted here without asking it. */
+   that requires grad may be a weight, served by the cache (the map of the
+   current grad mode, under id(a): looked up once for a hit and a miss); a new
+   reference. The cache never holds anything else (CastCache.cast stores leaves
+   only), so an activation is converted here without asking it. */
 static PyObject *
 cast_one(Fast *f, PyObject *a)
 {
@@ -266,10 +250,20 @@ cast_one(Fast *f, PyObject *a)
         if (grad < 0)
             return NULL;
         if (grad) {
-            PyObject *copy = cache_hit(f, a);
-            if (copy != NULL || PyErr_Occurred())
-                return copy;
-            return cache_miss(f, a);
+            PyObject *mode, *map, *key, *copy;
+            mode = PyObject_CallNoArgs(grad_enabled);
+            if (mode == NULL)
+                return NULL;
+            map = PyTuple_GET_ITEM(f->cache_maps, mode == Py_True); /* borrowed: the tuple holds it */
+            Py_DECREF(mode);
+            key = PyLong_FromVoidPtr(a);
+            if (key == NULL)
+                return NULL;
+            copy = cache_hit(f, a, map, key);
+            if (copy == NULL && !PyErr_Occurred())
+                copy = cache_miss(f, a, map, key);
+            Py_DECREF(key);
+            return copy;
         }
     }
     return PyObject_Vectorcall(f->convert, &a, 1, NULL);
@@ -690,12 +684,12 @@ fast_bind(PyObject *module, PyObject *args)
     Py_DECREF(entry_fields);
     if (!same)
         return NULL;
-    Py_INCREF(entry);
-    Py_XSETREF(entry_type, entry);
     if (!PyDict_CheckExact(off) || !PyDict_CheckExact(only)) {
         PyErr_SetString(PyExc_TypeError, "disabled and python_only must be plain dicts");
         return NULL;
     }
+    Py_INCREF(entry);
+    Py_XSETREF(entry_type, entry);
     Py_INCREF(off);
     Py_XSETREF(disabled, off);
     Py_INCREF(only);

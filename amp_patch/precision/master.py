@@ -204,7 +204,6 @@ class MasterWeights:
         halfs, masters, view = self.halfs, self.masters, self.model_view
         absorbed = self.early_moves.absorbed  # the masters an armed backward's hooks gave their gradient already
         view.take()
-        view.exact.clear()
         mirrors = view.mirrors
         # a gradient mirror() wrote is the master's already (take() took any edit)
         idx = [i for i, h in enumerate(halfs) if h.grad is not None and (mirrors[i] is None or mirrors[i][0] is not h.grad)]
@@ -337,7 +336,6 @@ class MasterWeights:
         """A step (taken or skipped) used up the masters' gradients (``GradSum.step``);
         the half sum DDP kept in the model goes with it."""
         self.early_moves.absorbed.clear()
-        self.model_view.exact.clear()
         if self.sum.step():
             for h in self.halfs:
                 h.grad = None
@@ -367,9 +365,8 @@ class MasterWeights:
                     if self.masters[i].grad is None:
                         self.masters[i].grad = self.buffer(i).zero_()
                     if on:
-                        mirrors[i] = (g, g._version)
+                        mirrors[i] = (g, g._version, None)
         self.early_moves.absorbed.clear()
-        self.model_view.exact.clear()
         self.sum.zero_grad(set_to_none)
         if set_to_none and self.masters:
             # The FP32 gradient buffers go with the gradients, so they are not held
@@ -428,7 +425,6 @@ class MasterWeights:
                 opt.state[h] = _state_to(opt.state.pop(m), dtype)
         self.weight_writes.release()
         self.halfs, self.masters, self.grads, self.dtypes, self.model_view.mirrors, self.index = [], [], [], [], [], {}
-        self.model_view.exact.clear()
 
 
 def lookup(conv: Optional["Conversions"], param: Tensor) -> Optional[Tensor]:

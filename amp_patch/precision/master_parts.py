@@ -13,7 +13,7 @@ as the code in ``MasterWeights`` did.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -121,19 +121,19 @@ class ModelGrads:
     half dtype (``mirror``), and edits a script makes there reach the step (``take``);
     off, half gradients move into the masters and the model's ``.grad`` stays None.
     Owns ``mirrors``, which ``MasterWeights`` also reads to tell a mirrored gradient
-    from one a backward just left, and ``exact``: where a master's gradient is its
-    half one cast up, unchanged, the step reads the half one (``step_grad``)."""
+    from one a backward just left; a record also says where a master's gradient is
+    its half one cast up, so the step reads the half one (``step_grad``). Whatever
+    drops or rewrites a record drops that with it."""
 
-    __slots__ = ("mw", "on", "mirrors", "exact")
+    __slots__ = ("mw", "on", "mirrors")
 
     def __init__(self, mw: "MasterWeights", on: bool):
         self.mw = mw
         self.on = on
-        #: per parameter, (the half gradient ``mirror`` wrote, its version after the write), or None
-        self.mirrors: List[Optional[Tuple[Tensor, int]]] = []
-        #: master i -> its gradient's version where that gradient is exactly the model's half
-        #: one cast up (``mirror(exact=True)``): what ``step_grad`` checks before the step reads it
-        self.exact: Dict[int, int] = {}
+        #: per parameter, None or (the half gradient ``mirror`` wrote, its version after the
+        #: write, and the master gradient's version where that gradient is exactly the half
+        #: one cast up (``mirror(exact=True)``), else None)
+        self.mirrors: List[Optional[Tuple[Tensor, int, Optional[int]]]] = []
 
     @torch.no_grad()
     def mirror(self, viewed: Sequence[int] = (), exact: bool = False) -> None:
@@ -143,7 +143,7 @@ class ModelGrads:
         so ``take`` can tell which a script edited. ``viewed``: the parameters whose
         ``.grad`` holds that already (written by the pass that filled the master's);
         ``exact``: and their masters' gradients are those half ones cast up, unscaled."""
-        halfs, mirrors, grads, exacts = self.mw.halfs, self.mirrors, self.mw.grads, self.exact
+        halfs, mirrors, grads = self.mw.halfs, self.mirrors, self.mw.grads
         done = set(viewed)
         dst: List[Tensor] = []
         src: List[Tensor] = []
@@ -151,19 +151,17 @@ class ModelGrads:
         for i, (h, m) in enumerate(zip(halfs, self.mw.masters)):
             g = h.grad
             if i in done:  # written by the pass that filled the master: only noted
-                mirrors[i] = (g, g._version)
-                if exact:
-                    exacts[i] = grads[i]._version  # type: ignore[union-attr]
+                mirrors[i] = (g, g._version, grads[i]._version if exact else None)  # type: ignore[union-attr]
                 continue
             mg = m.grad
             if mg is None:
                 if g is not None and mirrors[i] is not None:
                     h.grad = g = None  # the master's gradient went (a skipped step, zero_grad)
-                mirrors[i] = None if g is None else (g, g._version)
+                mirrors[i] = None if g is None else (g, g._version, None)
                 continue
             if mg.is_sparse:
                 h.grad = mg.to(h.dtype)
-                mirrors[i] = (h.grad, h.grad._version)
+                mirrors[i] = (h.grad, h.grad._version, None)
                 continue
             if g is None or g.is_sparse or g.dtype is not h.dtype or g.shape != h.shape:
                 g = h.grad = torch.empty_like(h, memory_format=torch.preserve_format)
@@ -173,20 +171,19 @@ class ModelGrads:
         if dst:
             torch._foreach_copy_(dst, src)
         for i, g in zip(copied, dst):
-            mirrors[i] = (g, g._version)
+            mirrors[i] = (g, g._version, None)
 
     def step_grad(self, i: int) -> Optional[Tensor]:
         """The gradient a step of master ``i`` reads: the model's half gradient where the
         master's is exactly that one cast up and neither changed since (a BF16 backward,
         no edit, no clipping, nothing added: their identities and version counters say),
         so the step reads half the bytes and computes the same bits; the master's otherwise."""
-        mw = self.mw
+        mw, rec = self.mw, self.mirrors[i]
         g = mw.masters[i].grad
-        version = self.exact.get(i)
-        if version is None or g is None or g is not mw.grads[i] or g._version != version:
+        if rec is None or rec[2] is None or g is None or g is not mw.grads[i] or g._version != rec[2]:
             return g
-        rec, half = self.mirrors[i], mw.halfs[i].grad
-        if rec is None or half is not rec[0] or half._version != rec[1]:
+        half = mw.halfs[i].grad
+        if half is not rec[0] or half._version != rec[1]:
             return g
         return half
 
@@ -213,7 +210,7 @@ class ModelGrads:
                 m.grad = g.float()
             else:
                 m.grad = mw.buffer(i).copy_(g)
-            mirrors[i] = (g, g._version)
+            mirrors[i] = (g, g._version, None)
 
     def drop(self) -> None:
         """Before a backward amp_patch runs: the model's mirrored gradients go (the masters

@@ -200,6 +200,10 @@ class Item(NamedTuple):
     init: int  # a step: 1 where SGD's first momentum buffer is written (the gradient itself); ``absorb``: the mode
 
 
+#: where an item holds its element count
+_N = Item._fields.index("n")
+
+
 class Work(NamedTuple):
     """One param group's part of a step."""
 
@@ -241,8 +245,14 @@ def threads_for(elements: int) -> int:
     return max(1, min(torch.get_num_threads(), elements // PER_THREAD))
 
 
-def _ptr(t: Optional[Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
+def _item(p: Tensor, g: Tensor, h: Optional[Tensor], a: Optional[Tensor], b: Optional[Tensor],
+          c: Optional[Tensor], step: Optional[Tensor], init: int) -> tuple:
+    """One parameter's item for a step, positional as the C reads it (``Item``'s fields;
+    a plain tuple: built for every parameter at every step)."""
+    return (p.data_ptr(), g.data_ptr(), KINDS[g.dtype], 0 if a is None else a.data_ptr(),
+            0 if b is None else b.data_ptr(), 0 if c is None else c.data_ptr(),
+            0 if h is None else h.data_ptr(), 0 if h is None else KINDS[h.dtype], p.numel(),
+            0 if step is None else step.data_ptr(), init)
 
 
 #: ``absorb``'s modes (``_onepass.c``'s ``ABS_*``): the FP32 destination takes the
@@ -375,12 +385,7 @@ class OnePassStep:
                 if state is None or n == 0:
                     pending.append(Entry(p, g, h, state, key))
                     continue
-                a, b, c, step = state
-                # positional, as the C reads it (Item's fields)
-                items.append((p.data_ptr(), g.data_ptr(), KINDS[g.dtype], 0 if a is None else a.data_ptr(),
-                              0 if b is None else b.data_ptr(), 0 if c is None else c.data_ptr(),
-                              0 if h is None else h.data_ptr(), 0 if h is None else KINDS[h.dtype], n,
-                              0 if step is None else step.data_ptr(), 0))
+                items.append(_item(p, g, h, *state, 0))
             work = work or bool(touched)
             groups.append(Work(items, pending, touched))
         if not work:
@@ -429,7 +434,7 @@ class OnePassStep:
             return False
         return (a, b, c, step)
 
-    def _items(self, group: Dict[str, Any], entries: List[Entry], skip: Optional[Tensor] = None) -> List[Item]:
+    def _items(self, group: Dict[str, Any], entries: List[Entry], skip: Optional[Tensor] = None) -> List[tuple]:
         """The kernel's items for ``entries`` (``Work.pending``), making the state a first step creates as
         the optimizer's own first step makes it (same tensors, same keys, same order).
         With a ``skip`` flag the state is made whether or not the step is taken, as
@@ -466,8 +471,7 @@ class OnePassStep:
                     if skip is not None:
                         step -= skip  # a device op: the count stays where a skipped step leaves it
                 continue
-            items.append(Item(p.data_ptr(), g.data_ptr(), KINDS[g.dtype], _ptr(a), _ptr(b), _ptr(c), _ptr(h),
-                          KINDS[h.dtype] if h is not None else 0, p.numel(), _ptr(step), init))
+            items.append(_item(p, g, h, a, b, c, step, init))
         return items
 
     def takes_flag(self, plan: Plan) -> bool:
@@ -496,7 +500,7 @@ class OnePassStep:
                 continue
             if pending:
                 items = items + self._items(group, pending, skip)
-            threads = threads_for(sum(it[8] for it in items))  # Item.n
+            threads = threads_for(sum(it[_N] for it in items))
             if not items:
                 pass
             elif self.adam:
