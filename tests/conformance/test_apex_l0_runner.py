@@ -28,6 +28,11 @@ class Moved(unittest.TestCase):
     def test_apex_is_the_alias_in_fp16(self):
         self.assertEqual(amp.__name__.split(".")[0], "amp_patch")
         self.assertEqual(os.environ["AMP_PATCH_HALF_DTYPE"], "float16")
+
+    def test_every_test_starts_seeded(self):
+        drawn = torch.rand(3)  # torch seeds a fresh process at random: this is the runner's seed
+        torch.manual_seed(0)
+        self.assertTrue(torch.equal(drawn, torch.rand(3)))
 '''
 BAD = '''
 import unittest
@@ -57,12 +62,12 @@ def _run(folder: Path, *args: str) -> subprocess.CompletedProcess:
 def test_the_runner_passes_a_passing_file_and_fails_a_failing_one(apex_tests):
     res = _run(apex_tests, "--skip", "test_bad")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "test_good: 2 passed, 0 failed, 0 skipped" in res.stdout
-    assert "apex L0: 2 passed, 0 failed, 0 skipped, files left out: test_bad" in res.stdout
+    assert "test_good: 3 passed, 0 failed, 0 skipped" in res.stdout
+    assert "apex L0: 3 passed, 0 failed, 0 skipped, files left out: test_bad" in res.stdout
 
     res = _run(apex_tests)  # every file, by default
     assert res.returncode == 1, res.stdout + res.stderr
-    assert "test_bad: 0 passed, 1 failed" in res.stdout and "apex L0: 2 passed, 1 failed" in res.stdout
+    assert "test_bad: 0 passed, 1 failed" in res.stdout and "apex L0: 3 passed, 1 failed" in res.stdout
 
 
 @pytest.mark.slow
