@@ -93,6 +93,8 @@ LEVELS = {
     # reading the scaler's inverse scale from its CPU tensor
     "O2_fp16_absorb": dict(opt_level="O2", half_dtype=torch.float16, model_grads=False),
     "O3_fp16_dynamic": dict(opt_level="O3", half_dtype=torch.float16, loss_scale="dynamic"),
+    # Apex's O3: a static scale of 1, nothing scaled; torch's own step on the half parameters
+    "O3_fp16": dict(opt_level="O3", half_dtype=torch.float16),
     "O1_fp16_static": dict(opt_level="O1", half_dtype=torch.float16, loss_scale=256.0),
     "O4": dict(opt_level="O4"),
     "O5": dict(opt_level="O5"),
@@ -102,7 +104,7 @@ LEVELS = {
 def sync_free_here(level, opt):
     """Whether this combination makes no host read of amp_patch's: every update that
     takes a device flag (the one-pass C step on FP32 parameters; torch's fused steps)."""
-    if level in ("O0", "O4", "O5"):
+    if level in ("O0", "O3_fp16", "O4", "O5"):
         return True  # nothing scaled: no verdict to read
     if opt.endswith("_fused"):
         return True
@@ -176,10 +178,13 @@ def assert_same(a, b):
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("level", list(LEVELS))
 def test_a_step_makes_no_host_read_and_computes_what_a_synced_step_does(level, opt_name):
-    if opt_name == "sgd_fused" and level == "O3_fp16_dynamic":
+    if opt_name == "sgd_fused" and level.startswith("O3"):
         pytest.skip("torch's fused CPU SGD on FP16 parameters is not deterministic (its first momentum "
                     "buffer), with or without amp_patch: nothing to compare bit for bit")
-    poison = () if level in ("O0", "O4", "O5") else (1, 4)  # nothing to skip on where nothing is scaled
+    if level == "O3_fp16" and opt_name in ("adam", "adamw_amsgrad"):
+        pytest.skip("torch's for-loop Adam on FP16 parameters divides by eps=1e-8, which is 0 in FP16: "
+                    "a zero gradient makes 0/0, and every parameter ends NaN in both paths: nothing to compare")
+    poison = () if level in ("O0", "O3_fp16", "O4", "O5") else (1, 4)  # nothing to skip on where nothing is scaled
     reads = HostReads()
     with reads.patched():
         got = train(level, opt_name, sync_free=True, poison=poison,
