@@ -339,13 +339,9 @@ class OnePassStep:
         if native is None or not wanted or torch.compiler.is_compiling() \
                 or refused(opt, self.original) is not None:
             return None
-        if mw is None:
-            index: Dict[int, int] = {}
-            masters: List[Tensor] = []
-            half_of: List[Tensor] = []
-            step_grad = None
-        else:
-            index, masters, half_of, step_grad = mw.index, mw.masters, mw.halfs, mw.model_view.step_grad
+        # bound once: read per parameter (without masters the index is empty, the rest unread)
+        index, masters, half_of, step_grad = ({}, (), (), None) if mw is None else \
+            (mw.index, mw.masters, mw.halfs, mw.model_view.step_grad)
         groups = []
         work = False
         state_of = opt.state

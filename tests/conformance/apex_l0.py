@@ -54,6 +54,8 @@ import tempfile
 import unittest
 from pathlib import Path
 
+import torch
+
 #: the files that test ``amp.initialize``; the rest exercise the 2018 handle API, LARC,
 #: the hysteresis scaler, FusedSGD and the ``amp_C`` stand-ins
 INITIALIZE_FILES = ("test_cache", "test_promotion", "test_basic_casts", "test_add_param_group",
@@ -170,7 +172,6 @@ def _prepare(suite) -> None:
 def _seeded(test):
     @functools.wraps(test)  # keeps the method's unittest marks
     def run():
-        import torch
         torch.manual_seed(SEED)
         return test()
     return run

@@ -99,13 +99,15 @@ LEVELS = {
     "O4": dict(opt_level="O4"),
     "O5": dict(opt_level="O5"),
 }
+#: the levels that scale nothing: no verdict to read, no overflow to skip
+UNSCALED = ("O0", "O3_fp16", "O4", "O5")
 
 
 def sync_free_here(level, opt):
     """Whether this combination makes no host read of amp_patch's: every update that
     takes a device flag (the one-pass C step on FP32 parameters; torch's fused steps)."""
-    if level in ("O0", "O3_fp16", "O4", "O5"):
-        return True  # nothing scaled: no verdict to read
+    if level in UNSCALED:
+        return True
     if opt.endswith("_fused"):
         return True
     return onepass.native is not None and level != "O3_fp16_dynamic"
@@ -184,7 +186,7 @@ def test_a_step_makes_no_host_read_and_computes_what_a_synced_step_does(level, o
     if level == "O3_fp16" and opt_name in ("adam", "adamw_amsgrad"):
         pytest.skip("torch's for-loop Adam on FP16 parameters divides by eps=1e-8, which is 0 in FP16: "
                     "a zero gradient makes 0/0, and every parameter ends NaN in both paths: nothing to compare")
-    poison = () if level in ("O0", "O3_fp16", "O4", "O5") else (1, 4)  # nothing to skip on where nothing is scaled
+    poison = () if level in UNSCALED else (1, 4)
     reads = HostReads()
     with reads.patched():
         got = train(level, opt_name, sync_free=True, poison=poison,
