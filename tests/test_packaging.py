@@ -63,11 +63,18 @@ def _probe(site: Path, tmp_path: Path) -> str:
     return res.stdout
 
 
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """One wheel built from a copy of the checkout, for every test that installs it
+    (each build compiles the C parts: seconds of CI's time)."""
+    where = tmp_path_factory.mktemp("wheel")
+    src = _source_copy(where)
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(where / "dist"), ".", cwd=src)
+    return next((where / "dist").glob("amp_patch-*.whl"))
+
+
 @pytest.mark.slow
-def test_wheel_contains_lists_and_loads_them(tmp_path):
-    src = _source_copy(tmp_path)
-    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), ".", cwd=src)
-    wheel = next((tmp_path / "dist").glob("amp_patch-*.whl"))
+def test_wheel_contains_lists_and_loads_them(tmp_path, wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for f in LIST_FILES:
         assert f"amp_patch/lists/{f}" in names
@@ -377,14 +384,11 @@ def _fresh_venv(where: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_the_wheel_installed_in_a_fresh_environment_imports_every_module_and_trains(tmp_path):
+def test_the_wheel_installed_in_a_fresh_environment_imports_every_module_and_trains(tmp_path, wheel):
     """As users install it: a wheel, in a virtual environment of its own, with
     no checkout and no editable install within reach. An editable install's
     finder serves any module the wheel left out, so only here does a package
     missing from the build show."""
-    src = _source_copy(tmp_path)
-    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), ".", cwd=src)
-    wheel = next((tmp_path / "dist").glob("amp_patch-*.whl"))
     python = _fresh_venv(tmp_path / "venv")
     _pip("--python", str(python), "install", "--no-deps", "--no-index", str(wheel), cwd=tmp_path)
 
