@@ -107,6 +107,10 @@ def test_sqrt_is_torchs_here():
 def test_the_step_kernel_is_built_where_a_compiler_is():
     if not HAS_C_COMPILER:
         pytest.skip("no C compiler on this machine: O2 takes the plain step")
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        # built, and set aside on purpose: torch's kernels without AVX2 round differently
+        assert C is None and "DEFAULT" in onepass.UNAVAILABLE, onepass.UNAVAILABLE
+        return
     assert C is not None, f"a C compiler is here but the step kernel is not importable ({onepass.UNAVAILABLE}); " \
                           f"reinstall with `pip install -e .` (or `python setup.py build_ext --inplace`)"
 

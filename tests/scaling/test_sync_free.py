@@ -252,7 +252,11 @@ def test_torch_own_reads_are_all_that_is_left():
             opt.step()
             opt.zero_grad()
     plain = reads.count
-    assert _amp_reads("O2_fp16", "adam", True) <= plain
+    # where the step kernel is not in use (no compiler at install, torch's DEFAULT
+    # kernels), torch's for-loop Adam has no found_inf: the host decides, one read
+    # a step (the documented fallback)
+    fallback = 3 if onepass.native is None else 0
+    assert _amp_reads("O2_fp16", "adam", True) <= plain + fallback
     assert _amp_reads("O2_fp16", "adam", False) == 3 + (plain if onepass.native is None else 0)
 
 
