@@ -7,12 +7,41 @@ folder, which is put on ``sys.path`` first (pytest's default import mode does
 that too, the others do not)."""
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import sys
+import tempfile
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
+
+
+def _compile_cache_per_cpu() -> None:
+    """A compile cache of torch's for this CPU alone, unless the caller chose one.
+
+    torch.compile's on-disk cache (in the system's temporary folder, which can
+    outlive the machine's CPU) does not key a CPU graph by the vector
+    instructions it was generated for: read where torch's kernels are narrower
+    (another CPU, or another ``ATEN_CPU_CAPABILITY``), its kernels update part of
+    each tensor, silently. The folder is named after the CPU's flags, so the
+    compiled tests compare against what this CPU computes; the subprocesses the
+    tests start inherit it.
+    """
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    key = hashlib.sha1(f"{platform.machine()} {flags} {os.environ.get('ATEN_CPU_CAPABILITY', '')}".encode()).hexdigest()[:12]
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"amp_patch_tests_torchinductor_{key}")
+
+
+_compile_cache_per_cpu()
 
 import pytest
 import torch
@@ -47,7 +76,8 @@ SEED = int(os.environ.get("AMP_PATCH_TEST_SEED", "0"))
 
 
 def pytest_report_header(config):
-    return f"torch.manual_seed({SEED}) before every test (AMP_PATCH_TEST_SEED)"
+    return [f"torch.manual_seed({SEED}) before every test (AMP_PATCH_TEST_SEED)",
+            f"torch.compile's cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']} (TORCHINDUCTOR_CACHE_DIR)"]
 
 
 @pytest.fixture(autouse=True)

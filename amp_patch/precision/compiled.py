@@ -159,7 +159,8 @@ class Plan(NamedTuple):
 class CompiledUpdate:
     """The fused update of one optimizer's FP32 masters (see the module docstring)."""
 
-    _compiled: Dict[str, Callable[..., Any]] = {}  # one compiled function per kernel, shared by every optimizer
+    #: one compiled function per kernel and device type, shared by every optimizer
+    _compiled: Dict[Tuple[str, str], Callable[..., Any]] = {}
 
     def __init__(self, masters: MasterWeights):
         self.mw = masters  # master.MasterWeights
@@ -172,10 +173,18 @@ class CompiledUpdate:
         self.lr: Optional[Tensor] = None  # 0-d, refilled per group: a new lr is not a recompile
         self.steps = 0  # fused steps taken
 
-    def _fn(self, kind: str) -> Callable[..., Any]:
-        fn = self._compiled.get(kind)
+    def _fn(self, kind: str, device: torch.device) -> Callable[..., Any]:
+        key = (kind, device.type)
+        fn = self._compiled.get(key)
         if fn is None:
-            fn = self._compiled[kind] = torch.compile(_KERNELS[kind], dynamic=False)
+            # torch's on-disk graph cache does not key a CPU graph by the vector
+            # instructions it was generated for: read on a CPU with narrower vectors
+            # (a cache directory another machine wrote, or ATEN_CPU_CAPABILITY
+            # changed), its kernels update only part of each tensor, silently. A CPU
+            # update's graph is generated afresh in each process (seconds, at its
+            # first step); the C++ it compiles to stays cached, keyed by its flags.
+            options = {"fx_graph_cache": False} if device.type == "cpu" else None
+            fn = self._compiled[key] = torch.compile(_KERNELS[kind], dynamic=False, options=options)
         return fn
 
     def _lists(self, group: Dict[str, Any], device: Optional[torch.device]) -> Optional[Tuple[List[Tensor], ...]]:
@@ -253,7 +262,7 @@ class CompiledUpdate:
         if self.lr is None or self.lr.device != plan.device:
             self.lr = torch.zeros((), dtype=f32, device=plan.device)
         lr = self.lr
-        update = self._fn(self.kind)
+        update = self._fn(self.kind, plan.device)
         stepped = False  # a group has been updated: the plain step must not repeat it
         try:
             with torch.no_grad():

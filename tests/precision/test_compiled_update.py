@@ -9,6 +9,9 @@ to the plain step wherever it cannot apply.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -198,7 +201,7 @@ def test_a_compile_failure_warns_once_and_the_plain_step_goes_on(monkeypatch, ca
         raise RuntimeError("no C++ compiler")
 
     real = compiled.CompiledUpdate._fn
-    monkeypatch.setattr(compiled.CompiledUpdate, "_fn", lambda self, kind: fails if kind in broken else real(self, kind))
+    monkeypatch.setattr(compiled.CompiledUpdate, "_fn", lambda self, kind, device: fails if kind in broken else real(self, kind, device))
     inf_at = 2 if config else None  # a skipped step under FP16 (BF16 has none to skip)
     plain, _, c0 = run("sgd_momentum", 5, False, config=config, inf_at=inf_at)
     with caplog.at_level(logging.WARNING, logger="amp_patch"):
@@ -247,7 +250,7 @@ def test_a_compile_failure_with_an_empty_first_param_group_runs_the_plain_step(m
     def fails(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(compiled.CompiledUpdate, "_fn", lambda self, kind: fails)
+    monkeypatch.setattr(compiled.CompiledUpdate, "_fn", lambda self, kind, device: fails)
     results = []
     for fused_update in (False, True):
         model = mlp(4, 8, 2)
@@ -261,3 +264,41 @@ def test_a_compile_failure_with_an_empty_first_param_group_runs_the_plain_step(m
         results.append([p.detach().clone() for p in model.parameters()])
     assert caplog.text.count("torch.compile failed (RuntimeError: no C++ compiler)") == 1
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+#: run in a subprocess: the fused update against the plain step; prints the largest difference
+ACROSS_CPUS = """
+import torch, torch.nn.functional as F, amp_patch
+from amp_patch.precision import onepass
+onepass.native = None  # the compiled update, as where the C step is not built
+out = []
+for fused in (False, True):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = amp_patch.initialize(model, opt, opt_level="O5", fused_update=fused, verbosity=0)
+    torch.manual_seed(1)
+    for i in range(3):
+        F.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert amp_patch.counters()["optimizers"][0]["fused"] == (2 if fused else 0)
+    out.append(torch.cat([m.detach().flatten() for m in amp_patch.master_params(opt)]))
+    amp_patch.deinitialize()
+print("DIFF", (out[0] - out[1]).abs().max().item())
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="needs a CPU whose torch kernels are AVX-512, to read its compile cache with narrower vectors")
+def test_a_compile_cache_written_with_wider_vectors_does_not_change_the_update(tmp_path):
+    # torch's graph cache does not key CPU graphs by vector width: the same cache
+    # directory read under AVX2 compiled the AVX-512 graph's kernels for 8 lanes
+    # and updated half of each tensor (differences of 0.1, silently)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    for capability in ("avx512", "avx2"):
+        env["ATEN_CPU_CAPABILITY"] = capability
+        res = subprocess.run([sys.executable, "-c", ACROSS_CPUS], env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        diff = float(res.stdout.split("DIFF")[-1])
+        assert diff < 1e-6, (capability, diff)
