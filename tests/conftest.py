@@ -17,6 +17,11 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 
+import pytest
+import torch
+
+from amp_patch.frontends.demo import cpu_flags
+
 
 def _compile_cache_per_cpu() -> None:
     """A compile cache of torch's for this CPU alone, unless the caller chose one.
@@ -27,24 +32,18 @@ def _compile_cache_per_cpu() -> None:
     (another CPU, or another ``ATEN_CPU_CAPABILITY``), its kernels update part of
     each tensor, silently. The folder is named after the CPU's flags, so the
     compiled tests compare against what this CPU computes; the subprocesses the
-    tests start inherit it.
+    tests start inherit it. Set before ``torch._dynamo`` is imported, which
+    fixes torch's default when none is set.
     """
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    key = hashlib.sha1(f"{platform.machine()} {flags} {os.environ.get('ATEN_CPU_CAPABILITY', '')}".encode()).hexdigest()[:12]
+    cpu = " ".join(sorted(cpu_flags() or ()))
+    key = hashlib.sha1(f"{platform.machine()} {cpu} {os.environ.get('ATEN_CPU_CAPABILITY', '')}".encode()).hexdigest()[:12]
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"amp_patch_tests_torchinductor_{key}")
 
 
 _compile_cache_per_cpu()
 
-import pytest
-import torch
 import torch._dynamo  # noqa: F401  torch imports it on the first optimizer.step(), which rebinds
 # torch.manual_seed and adds submodules to vars(torch): imported here, the snapshot
 # below compares only what a test changed (amp_patch itself does not import it)
@@ -58,6 +57,7 @@ import amp_patch
 from amp_patch.base.undo import STACK
 from amp_patch.oplists import NAMESPACES
 from helpers import ENV, Snapshot, fast_path
+
 
 SNAPSHOT = {name: obj for name, obj in NAMESPACES.items()}
 # the DataLoader's fetchers, whose fetch amp_patch runs with casting off

@@ -44,7 +44,7 @@ import sys
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -192,20 +192,29 @@ def memory_note(results: Sequence["Result"]) -> Optional[str]:
 # ------------------------------------------------------------------ hardware
 
 
-def cpu_bf16_flags(cpuinfo: Optional[str] = None) -> Optional[List[str]]:
-    """The BF16 flags of this CPU (``amx_bf16``, ``avx512_bf16``, Arm's ``bf16``)
-    as ``/proc/cpuinfo`` lists them, or None where it cannot be read."""
+def cpu_flags(cpuinfo: Optional[str] = None) -> Optional[Set[str]]:
+    """The CPU's instruction-set flags as ``/proc/cpuinfo`` lists them (x86's
+    ``flags``, Arm's ``Features``), or None where it cannot be read."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
                 cpuinfo = f.read()
         except OSError:
             return None
-    flags: set = set()
+    flags: Set[str] = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             flags.update(value.split())
+    return flags
+
+
+def cpu_bf16_flags(cpuinfo: Optional[str] = None) -> Optional[List[str]]:
+    """The BF16 flags of this CPU (``amx_bf16``, ``avx512_bf16``, Arm's ``bf16``)
+    as ``/proc/cpuinfo`` lists them, or None where it cannot be read."""
+    flags = cpu_flags(cpuinfo)
+    if flags is None:
+        return None
     return [f for f in ("amx_bf16", "avx512_bf16", "bf16") if f in flags]
 
 
