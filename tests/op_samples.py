@@ -736,14 +736,14 @@ def _cholesky_solve(r):
     return (r.randn(3, 2), r.lower(3)), {}
 
 
-@sample("torch.inverse", "torch.linalg.inv", "torch.linalg.inv_ex", "torch.linalg.det", "torch.linalg.slogdet",
+@sample("torch.det", "torch.slogdet", "torch.logdet", "torch.lu", "torch.inverse", "torch.linalg.inv", "torch.linalg.inv_ex", "torch.linalg.det", "torch.linalg.slogdet",
         "torch.linalg.eig", "torch.linalg.eigvals", "torch.linalg.cond", "torch.linalg.lu",
         "torch.linalg.lu_factor", "torch.linalg.matrix_rank", "torch.linalg.svdvals")
 def _square(r):
     return (r.well(3),), {}
 
 
-@sample("torch.linalg.matrix_exp")
+@sample("torch.linalg.matrix_exp", "torch.matrix_exp")
 def _matrix_exp(r):
     return (r.randn(3, 3, scale=0.3),), {}
 

@@ -219,6 +219,14 @@ cache_miss(Fast *f, PyObject *a, PyObject *map, PyObject *key)
     fields[ENTRY_TO] = f->to;
     fields[ENTRY_VERSION] = PyObject_GetAttr(a, str_version);
     fields[ENTRY_DATA_PTR] = fields[ENTRY_VERSION] ? PyObject_CallMethodNoArgs(a, str_data_ptr) : NULL;
+    if (fields[ENTRY_VERSION] != NULL && fields[ENTRY_DATA_PTR] == NULL &&
+        PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+        /* a tensor with no storage (torch.func's wrappers inside grad, vmap,
+           jacrev): converted only, as CastCache.cast does */
+        PyErr_Clear();
+        Py_DECREF(fields[ENTRY_VERSION]);
+        return out;
+    }
     fields[ENTRY_COPY] = out;
     entry = fields[ENTRY_DATA_PTR] ? PyObject_Vectorcall(entry_type, fields, ENTRY_SIZE, NULL) : NULL;
     if (entry != NULL)

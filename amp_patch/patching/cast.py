@@ -111,9 +111,16 @@ class CastCache:
         # activations that change every call.
         # Tensor subclasses are not cached either: the FakeTensors and
         # FunctionalTensors torch.compile traces with have no storage to key on.
+        # Nor are tensors with no storage: torch.func's wrappers (the inputs of a
+        # function under grad, vmap or jacrev) are plain Tensors that requires_grad
+        # and are leaves, made anew at each call, and their data_ptr() raises.
         if t.requires_grad and t.is_leaf and type(t) in _CACHEABLE:
+            try:
+                at = t.data_ptr()
+            except RuntimeError:
+                return out
             self.counts[1] += 1
-            entries[id(t)] = CacheEntry(t, to, t._version, t.data_ptr(), out)
+            entries[id(t)] = CacheEntry(t, to, t._version, at, out)
         return out
 
 

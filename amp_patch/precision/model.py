@@ -59,6 +59,13 @@ _NO_HALF_CPU_KERNEL = (
     (nn.RReLU, (torch.float16,)),
 )
 
+#: kept FP32 with the batchnorms (``keep_batchnorm_fp32``): a parametrization
+#: (``nn.utils.parametrizations.weight_norm``, ``spectral_norm``, ``orthogonal``)
+#: computes its layer's weight from an FP32 original, and the weight joins the half
+#: model through the kept module's output cast. In half, ``orthogonal``'s
+#: ``torch.matrix_exp`` returns NaN after one step, and the norms lose the bits.
+_KEPT_WITH_BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.utils.parametrize.ParametrizationList)
+
 Filter = Callable[[nn.Module, str], bool]
 
 
@@ -385,15 +392,15 @@ class Conversion:
 
 
 def _kept_modules(model: nn.Module, keep_bn: bool, keep: Optional[Filter]) -> set:
-    """``id`` of each module that stays FP32: kept batchnorms, ``keep_fp32``'s
-    matches, and every module that shares a parameter with one of them (a head
+    """``id`` of each module that stays FP32: kept batchnorms (and parametrizations,
+    ``_KEPT_WITH_BATCHNORM``), ``keep_fp32``'s matches, and every module that shares a parameter with one of them (a head
     tied to the embedding): a tie across the half/FP32 boundary would make the
     shared weight half on one side and FP32 on the other, so both sides stay
     FP32 and their outputs rejoin the half model."""
     kept = set()
     kept_params: set = set()
     for name, mod in model.named_modules():
-        if (keep_bn and isinstance(mod, nn.modules.batchnorm._BatchNorm)) or (keep is not None and name and keep(mod, name)):
+        if (keep_bn and isinstance(mod, _KEPT_WITH_BATCHNORM)) or (keep is not None and name and keep(mod, name)):
             kept.add(id(mod))
             kept_params.update(id(p) for p in mod.parameters())
     if not kept:

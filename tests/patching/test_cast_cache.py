@@ -164,3 +164,46 @@ def test_the_launcher_sees_data_writes_in_a_model_it_does_not_know(tmp_path, lev
     assert torch.equal(out["pruned"], out["want_pruned"])
     assert not torch.equal(out["live"], out["evaluated"])
     assert not amp_patch.is_initialized()
+
+
+def _per_sample_grads(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """Per-sample gradients the way torch.func's tutorial (and Opacus) computes
+    them: ``vmap(grad(loss))`` over ``functional_call``, whose parameters are
+    torch.func's wrappers: Tensors with no storage, leaves that require grad."""
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in m.named_parameters()}
+
+    def loss(p, xi, yi):
+        out = functional_call(m, p, (xi.unsqueeze(0),))
+        return nn.functional.cross_entropy(out.float(), yi.unsqueeze(0))
+
+    return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_torch_func_transforms_cast_as_autocast_does_and_cache_nothing(wrapper_path, level):
+    """``torch.func.grad``, ``jacrev`` and ``vmap`` run the function on wrappers
+    with no storage: each is converted (its data pointer cannot key the cache)
+    and nothing of theirs is kept, so the results are autocast's."""
+    from torch.func import grad, jacrev
+
+    m = model()
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    a, w = torch.randn(3, 8), torch.randn(8)
+    with amp_patch.disable_casts(), torch.autocast("cpu", dtype=bf16):
+        want_grad = grad(lambda v: (a @ v).sum())(w)
+        want_jac = jacrev(lambda v: torch.tanh(a @ v))(w)
+        want_ps = _per_sample_grads(m, x, y)
+    with amp(m, None, level, half_dtype=bf16):
+        cache = running.session().cache
+        got_grad = grad(lambda v: (a @ v).sum())(w)
+        got_jac = jacrev(lambda v: torch.tanh(a @ v))(w)
+        got_ps = _per_sample_grads(m, x, y)
+        assert len(cache) == 0 and cache.misses == 0  # no wrapper was kept
+    assert got_grad.dtype == want_grad.dtype and torch.equal(got_grad, want_grad)
+    assert got_jac.dtype == want_jac.dtype and torch.equal(got_jac, want_jac)
+    assert not torch.equal(got_grad, grad(lambda v: (a @ v).sum())(w))  # FP32 differs: the casts happened
+    for k, g in want_ps.items():
+        assert got_ps[k].shape == (6,) + dict(m.named_parameters())[k].shape
+        assert torch.equal(got_ps[k], g), k

@@ -519,6 +519,9 @@ ATEN_NAMES: Dict[str, Optional[str]] = {
     "torch.Tensor.det": "linalg_det",
     "torch.Tensor.slogdet": "linalg_slogdet",
     "torch.Tensor.matrix_exp": "linalg_matrix_exp",
+    # torch.lu is Python: it calls torch._lu_with_info.
+    "torch.lu": "_lu_with_info",
+    "torch.Tensor.lu": "_lu_with_info",
     # torch.norm / Tensor.norm with a number p and a dim call torch.linalg.vector_norm.
     "torch.norm": "linalg_vector_norm",
     "torch.Tensor.norm": "linalg_vector_norm",
