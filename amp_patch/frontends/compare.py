@@ -41,6 +41,7 @@ import math
 import os
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -213,6 +214,7 @@ def child(spec_path: Optional[str] = None) -> int:
     follower.install()
     _force_level(level, half, calls, bool(spec.get("find_overflow")))
     started = time.perf_counter()
+    launcher.last_summary = None
     try:
         settings = launcher.Settings.resolve(opt_level=level, half_dtype=half, lists=spec.get("lists") or ())
         launcher.run(spec["script"], spec["args"], settings, stream=sys.stderr if spec.get("verbose") else None)
@@ -232,6 +234,7 @@ def child(spec_path: Optional[str] = None) -> int:
     ended_at = time.perf_counter()
     follower.collect_provenance()
     result.update(_child_figures(follower, ended_at, started, calls))
+    result["summary"] = launcher.last_summary
     with open(spec["out"], "w", encoding="utf-8") as f:
         json.dump(result, f)
     return 1 if result["ended"] == "error" else 0
@@ -290,10 +293,19 @@ class LevelRun:
     log: str
     calls: List[Dict[str, Any]]
     provenance: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    summary: Optional[str] = None  # the launcher's closing line in that process
 
     @property
     def losses(self) -> List[float]:
         return [r["loss"] for r in self.rows]
+
+    @property
+    def fell_back(self) -> Optional[str]:
+        """Why a mixed-precision level ran in FP32 (the launcher's reason), or None."""
+        if LEVELS[self.name][0] == "O0" or self.opt_level != "O0":
+            return None
+        why = re.search(r"no mixed-precision run \((.*)\)\s*$", self.summary or "")
+        return why.group(1) if why else "the launcher started no mixed-precision run"
 
 
 @dataclasses.dataclass
@@ -392,7 +404,7 @@ def judge(run: LevelRun, ref: Optional[LevelRun], threshold: float) -> Verdict:
         rel = gap / abs(ref_final) if ref_final not in (0.0,) and math.isfinite(ref_final) else None
     st = _median_step(run)
     rst = _median_step(ref) if ref is not None else None
-    speed = rst / st if st and rst else None
+    speed = rst / st if st and rst and not run.fell_back else None  # FP32 against FP32 would be noise
     at, why = divergence(run, ref if ref is not run else None)
     dep_at, dep = (None, None)
     if ref is not None and run is not ref:
@@ -472,7 +484,7 @@ def run_level(opts: Options, name: str, find_overflow: bool = False, steps: Opti
             return LevelRun(name, opt_level, half or "", [], "error",
                             f"its process ended (exit code {rc}) before it reported; see {log_path}", wall, log_path, [])
     return LevelRun(name, got["opt_level"], got["half_dtype"], got["rows"], got["ended"], got["error"], got["wall_s"],
-                    log_path, got["calls"], got["provenance"])
+                    log_path, got["calls"], got["provenance"], got.get("summary"))
 
 
 def _tail(path: str, n: int = 15) -> str:
@@ -489,6 +501,8 @@ def _fmt(x: Optional[float], spec: str = ".4g") -> str:
 
 
 def _precision(run: LevelRun) -> str:
+    if run.fell_back:
+        return "float32 (no AMP ran)"
     if run.opt_level == "O0":
         return "float32"
     scales = [r["loss_scale"] for r in run.rows if r["loss_scale"] is not None]
@@ -545,6 +559,8 @@ def messages(runs: List[LevelRun], verdicts: Dict[str, Verdict], ref: Optional[L
         if r is ref:
             continue
         parts = []
+        if r.fell_back:
+            parts.append(f"ran in FP32, not at {LEVELS[r.name][0]}: {r.fell_back}; its figures are FP32's")
         if v.diverged_at is not None:
             parts.append(f"DIVERGED at step {v.diverged_at}: {v.diverged_why}")
         if v.departed_at is not None and ref is not None:
@@ -554,7 +570,7 @@ def messages(runs: List[LevelRun], verdicts: Dict[str, Verdict], ref: Optional[L
                              f"(smoothed loss {a:.4g} against {b:.4g}, {100 * (a - b) / abs(b):+.1f}%)")
             else:
                 parts.append(f"first departed from {ref.name} at step {v.departed_at} (its loss turned inf/NaN; {ref.name}'s {b:.4g})")
-        elif ref is not None and v.diverged_at is None and r.rows:
+        elif ref is not None and v.diverged_at is None and r.rows and not r.fell_back:
             parts.append(f"stayed within {100 * threshold:g}% of {ref.name}'s loss at every step")
         if v.rel_gap is not None and math.isfinite(v.rel_gap):
             parts.append(f"final loss {100 * v.rel_gap:+.2f}% against {ref.name}'s")

@@ -600,6 +600,10 @@ def check_script(script: Union[str, os.PathLike]) -> str:
     return path
 
 
+#: the ``summary`` line of the last ``run`` in this process (said or not): what ran, or why nothing did
+last_summary: Optional[str] = None
+
+
 def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Optional[Settings] = None,
         stream: Optional[TextIO] = None) -> dict:
     """Run ``script`` as ``__main__`` with AMP on, as ``python script.py args...`` would.
@@ -644,14 +648,21 @@ def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Opt
         _restore(saved_argv, saved_path)
         try:
             launch.stop()
-            _say(stream, launch.summary())
+            _said(stream, launch.summary())
         except Exception:  # the script's own error is the one to report
             log.exception("amp_patch: cleaning up after the script failed")
         raise
     _restore(saved_argv, saved_path)
     launch.stop()
-    _say(stream, launch.summary())
+    _said(stream, launch.summary())
     return result
+
+
+def _said(stream: Optional[TextIO], line: str) -> None:
+    """The summary line, kept in ``last_summary`` and said."""
+    global last_summary
+    last_summary = line
+    _say(stream, line)
 
 
 def _say(stream: Optional[TextIO], line: str) -> None:

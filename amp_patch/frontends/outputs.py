@@ -11,11 +11,13 @@ one returns what it computed, so the model's inner layers keep their half
 activations.
 
 A global forward pre-hook notes which module call is outermost in this
-thread; that module gets a forward hook (once per module object, always
-called, so an exception cannot leave the thread "inside") that casts its
-floating half outputs to FP32 when the outermost call ends. The hook is a
-plain function, so copies and pickles of the model carry nothing of ours
-that cannot be copied.
+thread; a global forward hook (always called, so an exception cannot leave
+the thread "inside") casts that call's floating half outputs to FP32 when it
+ends. Both are global, so no module holds anything of amp_patch's: the
+script's ``torch.save(model)`` pickles what it pickles without amp_patch, and
+``torch.load`` (``weights_only=True``, torch's default) and a process without
+amp_patch read it back. Global forward hooks run before a module's own, so
+a hook the script put on its model sees the FP32 outputs too.
 
 An outermost call is also where the running session's weight-cast cache is
 emptied on these routes (``patching/cast.py``): the models of a zero-code run
@@ -26,11 +28,10 @@ could see. With ``--outputs half`` the guard runs for that alone (``cast=False``
 from __future__ import annotations
 
 import threading
-import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..base import running
 from ..patching.cast import cast
@@ -51,8 +52,6 @@ def _pre(module: torch.nn.Module, args: tuple) -> None:
         if isinstance(module, torch.jit.ScriptModule):
             return  # compiled code: it takes no hooks, calls no Python module, and runs uncast
         _state.module, _state.depth = module, 1
-        if module not in guard.hooked:
-            guard.hooked[module] = module.register_forward_hook(_end, always_call=True)
         amp = running.session()
         if amp is not None:
             amp.cache.clear()  # half weight copies from before this call may be stale
@@ -89,23 +88,19 @@ class OutermostOutputs:
 
     def __init__(self, cast: bool = True) -> None:
         self.cast = cast
-        self.hooked: "weakref.WeakKeyDictionary[torch.nn.Module, RemovableHandle]" = weakref.WeakKeyDictionary()
-        self.handle: Optional["RemovableHandle"] = None
+        self.handles: List["RemovableHandle"] = []
 
     def install(self) -> None:
         global _active
         _active = self
         _state.module = None
-        self.handle = register_module_forward_pre_hook(_pre)
+        self.handles = [register_module_forward_pre_hook(_pre), register_module_forward_hook(_end, always_call=True)]
 
     def uninstall(self) -> None:
         global _active
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-        for h in list(self.hooked.values()):
+        for h in self.handles:
             h.remove()
-        self.hooked.clear()
+        self.handles = []
         if _active is self:
             _active = None
         _state.module = None

@@ -301,8 +301,12 @@ def _keep_loaded(conv: Conversions, key: Union[int, Tuple[int, str]], value: obj
         return
 
 
-#: amp_patch's module hooks: a copy of a converted model drops them (``precision.copies``)
+#: amp_patch's module hooks: a copy of any model drops them (``precision.copies``),
+#: as a pickle must (``torch.load``'s default ``weights_only=True`` refuses
+#: amp_patch's classes): ``cast_outputs`` puts ``CastOutputs`` on a model that
+#: O1 leaves unconverted, whose copy rule is ``run.flight``'s
 _HOOK_TYPES = (CastInputs, CastOutputs, SaveFP32, LoadIntoMasters, SyncWritten)
+copies.drop_on_copy(*_HOOK_TYPES)
 
 
 # ------------------------------------------------------------------ options
@@ -622,9 +626,18 @@ def cast_outputs(conv: Conversions, model: nn.Module) -> None:
     if any(rec.model is model for rec in conv.records):
         return
     rec = Conversion(model)
-    rec.handles.append(model.register_forward_hook(CastOutputs(conv.config.cast_model_outputs)))
     conv.records.append(rec)
     conv.undo.push(_Unconvert(rec))
+    if "__deepcopy__" not in model.__dict__:
+        # a copy or pickle (torch.save(model)) leaves the hook behind: the
+        # launcher's models have no other copy rule at O1
+        copies.install(model, copies.Plan(_none, {}, _HOOK_TYPES, _none))
+        rec.copyable = True
+    rec.handles.append(model.register_forward_hook(CastOutputs(conv.config.cast_model_outputs)))
+
+
+def _none(*args: object) -> None:
+    return None
 
 
 class _Unconvert:

@@ -86,6 +86,23 @@ print("evaluating only:", torch.ones(3).sum().item())
 """
 
 
+# trains with a hand-written update (the PyTorch examples' word language model
+# without --use-optimizer): no optimizer for O2 to attach its model to
+NO_OPTIMIZER = """
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+x = torch.randn(64, 16)
+y = x[:, :4].argmax(1)
+for step in range(20):
+    model.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-0.1)
+"""
+
+
 def run_compare(args, cwd, timeout=600):
     res = subprocess.run([sys.executable, "-m", "amp_patch", "compare", *args], cwd=cwd, capture_output=True,
                          text=True, timeout=timeout)
@@ -205,6 +222,26 @@ def test_a_script_that_never_calls_backward_gets_a_clear_message(tmp_path):
     assert "FP32: evaluate.py never called loss.backward() on a one-element loss" in res.stdout
     assert "evaluating only: 3.0" in (tmp_path / "out" / "FP32.log").read_text()
     assert not (tmp_path / "out" / "compare.csv").exists()
+
+
+@pytest.mark.slow
+def test_a_level_that_ran_in_fp32_says_so_and_claims_no_speedup(tmp_path):
+    """O2 needs an optimizer to hold its model's masters: a script that updates
+    its weights by hand runs in FP32 there. compare says so, with the
+    launcher's reason, instead of reporting an O2 that never ran."""
+    script = write(tmp_path, "by_hand.py", NO_OPTIMIZER)
+    out = tmp_path / "out"
+    res = run_compare(["--steps", "12", "--levels", "FP32,O4,O5", "--out", str(out), str(script)], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    line = next(x for x in res.stdout.splitlines() if x.startswith("O5 "))
+    assert "float32 (no AMP ran)" in line and line.rstrip().endswith("-"), line  # no speedup claimed
+    assert ("O5: ran in FP32, not at O5: the script built no optimizer for the launcher to attach its model to; "
+            "its figures are FP32's") in res.stdout
+    assert "O5: stayed within" not in res.stdout
+    o4 = next(x for x in res.stdout.splitlines() if x.startswith("O4 "))
+    assert "bfloat16" in o4 and "O4: stayed within" in res.stdout  # O1/O4 need no optimizer
+    _, by_level = read_csv(out / "compare.csv")
+    assert {r["opt_level"] for r in by_level["O5"]} == {"O0"}
 
 
 @pytest.mark.slow

@@ -473,7 +473,7 @@ def test_a_model_built_after_initialize_returns_fp32_from_its_outermost_call(tmp
 
     script = write(tmp_path, "late.py", _LATE_MODEL if outputs == "float32" else _LATE_MODEL.replace(
         "as_numpy = out.detach().numpy()", "as_numpy = None"))
-    pre_hooks = dict(torch_module._global_forward_pre_hooks)
+    pre_hooks, hooks = dict(torch_module._global_forward_pre_hooks), dict(torch_module._global_forward_hooks)
     out = launcher.run(str(script), [], Settings.resolve(opt_level="O1", half_dtype="bfloat16", outputs=outputs))
     assert out["seen"][0] == torch.bfloat16, "inside the model the layers keep their half outputs"
     want = torch.float32 if outputs == "float32" else torch.bfloat16
@@ -482,7 +482,52 @@ def test_a_model_built_after_initialize_returns_fp32_from_its_outermost_call(tmp
         assert out["as_numpy"].shape == (4, 2)
     assert out["pickled"] == want, "a pickled model carries no hook of amp_patch's that cannot be pickled"
     assert dict(torch_module._global_forward_pre_hooks) == pre_hooks
+    assert dict(torch_module._global_forward_hooks) == hooks
     assert not out["late"]._forward_hooks and not out["other"]._forward_hooks, "the launcher's hooks are gone"
+
+
+_SAVES_THE_MODEL = """
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+{optimizer}
+x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+for _ in range(3):
+    loss = F.cross_entropy(model(x), y)
+    model.zero_grad()
+    loss.backward()
+    {step}
+criterion = nn.CrossEntropyLoss()
+criterion(model(x), y)
+torch.save(model, {whole!r})
+torch.save(criterion, {loss!r})
+want = {{k: v.clone() for k, v in model.state_dict().items()}}
+"""
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5", "O2-no-optimizer"])
+def test_a_model_the_script_saves_whole_loads_with_torch_load_defaults(tmp_path, level):
+    """``torch.save(model)`` in a launched script (the PyTorch examples' word
+    language model saves its best model so, and reads it back with
+    ``torch.load`` under ``safe_globals`` of its own classes) pickles nothing of
+    amp_patch's: ``torch.load``'s default ``weights_only=True`` refuses any class
+    it was not told of. Each model is the FP32 one, with no hook."""
+    manual = level.endswith("no-optimizer")
+    whole, loss = tmp_path / "model.pt", tmp_path / "loss.pt"
+    script = write(tmp_path, "saves.py", _SAVES_THE_MODEL.format(
+        optimizer="" if manual else "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+        step="[p.data.add_(p.grad, alpha=-0.1) for p in model.parameters()]" if manual else "opt.step()",
+        whole=str(whole), loss=str(loss)))
+    out = launcher.run(str(script), [], Settings.resolve(opt_level=level.split("-")[0], half_dtype="bfloat16"))
+    with torch.serialization.safe_globals([nn.Sequential, nn.Linear, nn.ReLU, nn.CrossEntropyLoss]):
+        model, criterion = torch.load(whole), torch.load(loss)
+    for m in (*model.modules(), criterion):
+        assert not (m._forward_hooks or m._forward_pre_hooks or m._state_dict_hooks), m
+        assert not {"__deepcopy__", "__reduce_ex__"} & set(vars(m))
+    got = model.state_dict()
+    assert list(got) == list(out["want"])
+    for k, v in out["want"].items():
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], v.float()), k
 
 
 _FP16_ON_CPU = """
