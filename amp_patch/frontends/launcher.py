@@ -56,7 +56,7 @@ from ..base.undo import Owned
 from ..config import (ENV_HALF_DTYPE, FUNCTION_LEVELS, MODEL_LEVELS, PRESETS, AmpConfig, parse, parse_dtype,
                       parse_level, parse_loss_scale)
 from ..run.session import Provisional, Session
-from . import alias, scan
+from . import alias, carry, scan
 from .outputs import OutermostOutputs
 
 if TYPE_CHECKING:
@@ -431,6 +431,20 @@ class Launch:
         if self._ours():
             self._release_held()
 
+    def _carry(self, optimizer: torch.optim.Optimizer) -> None:
+        """The loss scaler's state in ``optimizer``'s checkpoints (``carry``), until the launch stops."""
+        self.undo.push(carry.Carry(optimizer))
+
+    def _wrapped_attached(self, optimizer: torch.optim.Optimizer) -> Optional[torch.optim.Optimizer]:
+        """The attached optimizer ``optimizer`` wraps (holds as an attribute), or None."""
+        amp = running.session()
+        if amp is None:
+            return None
+        for value in vars(optimizer).values():
+            if isinstance(value, torch.optim.Optimizer) and value is not optimizer and amp.handle_of(value) is not None:
+                return value
+        return None
+
     def _release_held(self) -> None:
         """Give the held set-up warnings, pointing at the script's line that runs now."""
         held, self._held = self._held, []
@@ -440,6 +454,16 @@ class Launch:
 
     def _on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._ours():
+            return
+        inner = self._wrapped_attached(optimizer)
+        if inner is not None:
+            # Accelerate's AcceleratedOptimizer (Hugging Face's Trainer builds one
+            # around its AdamW): its step and zero_grad call the attached one's,
+            # which take the step. Attached itself it would count every step
+            # twice, and at O2 its param_groups are the inner one's FP32 masters,
+            # which no model holds.
+            log.info("amp_patch: %s wraps the attached %s; the launcher leaves it to call its step",
+                     type(optimizer).__name__, type(inner).__name__)
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         converted = {id(p) for m in (self.amp.models if self.amp is not None else ()) for p in m.parameters()}
@@ -456,6 +480,7 @@ class Launch:
             return
         if self.settings.opt_level in FUNCTION_LEVELS:
             frontend.adopt_optimizer(optimizer)
+            self._carry(optimizer)
             amp = running.session()
             if amp.config.cast_model_outputs is not None:
                 try:
@@ -482,6 +507,7 @@ class Launch:
                 self.amp.provisional = saved
         if self.amp is None:
             self._mark(running.session())
+        self._carry(optimizer)
         log.info("amp_patch: launcher attached %s to %s at %s", type(optimizer).__name__, type(model).__name__, self.settings.opt_level)
 
 
