@@ -70,6 +70,36 @@ def test_a_second_network_amp_patch_never_saw_gets_true_gradients():
         assert moved < 1.0  # a 65536x gradient moved it by thousands
 
 
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_a_backward_with_no_optimizer_attached_says_nothing_scaled_it(half):
+    """``initialize(model)`` alone, then an optimizer built after it (a trainer
+    that builds its own): under FP16 nothing can scale the loss or skip a step,
+    and the first backward says so, once, naming the fixes. BF16 needs no
+    scaling and says nothing; the gradients are the plain ones either way."""
+    model = _net(0, 4, 8, 3)
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    with _quiet():
+        warnings.simplefilter("ignore")  # FP16 on a CPU
+        amp_patch.initialize(model, opt_level="O1", verbosity=1, half_dtype=getattr(torch, half))
+    with _deinit():
+        loss = F.cross_entropy(model(x).float(), y)
+        expected = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loss.backward(retain_graph=True)
+            model.zero_grad()
+            loss.backward()  # once per run
+        said = [str(w.message) for w in seen if issubclass(w.category, amp_patch.AmpWarning)]
+        if half == "float16":
+            assert len(said) == 1, said
+            assert "no optimizer is attached to amp_patch, so the loss was not scaled" in said[0]
+            assert "amp_patch.adopt_optimizer(optimizer)" in said[0] and "optimizers=(optimizer, None)" in said[0]
+        else:
+            assert said == []
+        for p, g in zip(model.parameters(), expected):
+            assert torch.equal(p.grad, g)
+
+
 def test_an_overflow_in_a_foreign_gradient_skips_the_step_and_is_zeroed():
     """D's last bias gathers the whole scaled loss (65536 > FP16's 65504): the
     attached optimizer skips and backs off, and D's optimizer, which amp_patch

@@ -100,6 +100,24 @@ def guard_foreign(run: LossScaling, loss: Tensor, handles: Sequence[Handle], los
     return reaches, leaves.unscale_on_arrival(foreign, run, loss_id)
 
 
+def warn_unattached(run: LossScaling, loss: Tensor) -> None:
+    """Once per run: a backward under an active loss scaler with no optimizer
+    attached, so nothing scaled it (a model given to ``initialize`` alone, or a
+    trainer that builds its optimizer after it)."""
+    if not (run.scalers and run.scalers[0].active and run.notices.verbosity and loss.requires_grad):
+        return
+    run.warned_foreign = True
+    dtype = str(run.config.half_dtype).replace("torch.", "")
+    diagnostics.warn_user(
+        f"loss.backward() ran with loss scaling on ({dtype}), but no optimizer is attached to amp_patch, so the "
+        f"loss was not scaled: gradients too small for {dtype} become zero, and no step is checked for inf/NaN. "
+        f"Pass the optimizer to initialize (model, optimizer = amp_patch.initialize(model, optimizer, ...)) or "
+        f"attach it where it is built (optimizer = amp_patch.adopt_optimizer(optimizer)). A trainer that builds "
+        f"its own (Hugging Face's Trainer) takes one built by you (Trainer(..., optimizers=(optimizer, None))), "
+        f"or run the unchanged script with `amp-patch run`."
+    )
+
+
 def make_backward_patch(run: LossScaling):
     """The ``Tensor.backward`` patch: loss scaling for plain loops, and an empty cast cache.
 
@@ -130,6 +148,8 @@ def make_backward_patch(run: LossScaling):
                     or kwargs.get("gradient") is not None
                     or instance.numel() != 1
                 ):
+                    if not run.handles and not run.warned_foreign:
+                        warn_unattached(run, instance)
                     return wrapped(*args, **kwargs)
                 handles = list(run.handles)
                 scaler = run.scalers[0]
