@@ -8,7 +8,8 @@ rest: a model built after ``initialize`` (Hugging Face's ``from_pretrained``
 for evaluation), a second network nobody paired, under O1's patched
 functions. Only the outermost call is cast: a module called inside another
 one returns what it computed, so the model's inner layers keep their half
-activations.
+activations. A module called inside a backward (activation checkpointing's
+recompute) is never an outermost call.
 
 A global forward pre-hook notes which module call is outermost in this
 thread; a global forward hook (always called, so an exception cannot leave
@@ -39,6 +40,7 @@ from ..patching.cast import cast
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
+_in_backward = torch._C._current_graph_task_id  # -1 outside the autograd engine
 _state = threading.local()  # .module: the outermost module being called; .depth: its own nesting
 _active: Optional["OutermostOutputs"] = None
 
@@ -51,6 +53,11 @@ def _pre(module: torch.nn.Module, args: tuple) -> None:
     if outer is None:
         if isinstance(module, torch.jit.ScriptModule):
             return  # compiled code: it takes no hooks, calls no Python module, and runs uncast
+        if _in_backward() != -1:
+            # activation checkpointing recomputes a layer inside the backward, calling
+            # its inner modules with no outer call around them: their outputs are the
+            # layer's own, in the dtype the layer computes in (an O2 model's half)
+            return
         _state.module, _state.depth = module, 1
         amp = running.session()
         if amp is not None:

@@ -530,6 +530,68 @@ def test_a_model_the_script_saves_whole_loads_with_torch_load_defaults(tmp_path,
         assert got[k].dtype == torch.float32 and torch.equal(got[k], v.float()), k
 
 
+_CHECKPOINTED = """
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        # the layer's own forward, not its call, is checkpointed (as Hugging Face's
+        # layers do): in the recompute, up and down are the outermost module calls
+        return checkpoint(self.inner, x, use_reentrant=REENTRANT) if CHECKPOINT else self.inner(x)
+
+    def inner(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(8, 16, requires_grad=True), torch.randint(0, 4, (8,))
+for _ in range(2):
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+"""
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("level,half", [("O1", "bfloat16"), ("O2", "float16"), ("O5", "bfloat16")])
+def test_activation_checkpointing_recomputes_what_the_forward_computed(tmp_path, level, half, reentrant):
+    """A checkpointed layer is recomputed inside the backward, its inner modules
+    called with no outer call around them: they are not outermost calls, so
+    their outputs keep the layer's dtype (at O2, an FP32 output fed the next
+    half Linear: "mat1 and mat2 must have the same dtype"). The run equals the
+    one without checkpointing, bit for bit."""
+    runs = {}
+    for on in (True, False):
+        script = write(tmp_path, f"ckpt_{on}.py", _CHECKPOINTED.replace(
+            "from torch.utils.checkpoint import checkpoint", f"from torch.utils.checkpoint import checkpoint\nREENTRANT, CHECKPOINT = {reentrant}, {on}"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs[on] = launcher.run(str(script), [], Settings.resolve(opt_level=level, half_dtype=half))["final"]
+    for k, v in runs[False].items():
+        assert torch.equal(runs[True][k], v), k
+
+
 _FP16_ON_CPU = """
 import torch, torch.nn as nn
 {imp}
