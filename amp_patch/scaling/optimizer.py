@@ -48,14 +48,25 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
     self._opt_called = True
     run = h.run
     closure = args[0] if args else kwargs.get("closure")
+    evaluated = _NOTSET
     if closure is not None:
+        rest = tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
         if any(s.active for s in run.scalers):
-            raise StateError(
-                f"{type(self).__name__}.step(closure) is not supported while loss scaling is active: the "
-                f"closure's backward would run inside the step, after the gradients were checked. Call "
-                f"loss = closure() before optimizer.step(), or use BF16 (no loss scaling)."
-            )
-        args, kwargs = (_AbsorbAfter(closure, run, h.masters),) + tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "closure"}
+            if not _evaluates_once(self):
+                raise StateError(
+                    f"{type(self).__name__}.step(closure) is not supported while loss scaling is active: it may "
+                    f"call the closure more than once inside the step, each backward after the gradients were "
+                    f"checked. Call loss = closure() before optimizer.step(), or use BF16 (no loss scaling)."
+                )
+            # torch's optimizers (LBFGS aside) call the closure once, before they read a
+            # gradient: called here first, as PyTorch Lightning's mixed precision does for
+            # GradScaler, its backward is checked and unscaled like any other
+            with torch.enable_grad():
+                evaluated = closure()
+            closure = None
+            args, kwargs = rest
+        else:
+            args, kwargs = (_AbsorbAfter(closure, run, h.masters),) + rest[0], rest[1]
     _refuse_traced_backward(h)
     mw = h.masters
     decide_skips(run)
@@ -73,7 +84,7 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
             if mw is not None:
                 mw.weight_writes.note()
                 mw.consumed()
-            return out
+            return out if evaluated is _NOTSET else evaluated
     # the decision on the host: under sync-free steps, the one sync of a step no link
     # of the chain can take with the flag (docs/guide.md, "Steps with no host sync")
     skip = bool(decision)
@@ -87,7 +98,16 @@ def _run_step(self: torch.optim.Optimizer, h: Handle, args: tuple, kwargs: dict)
     if mw is not None:
         mw.weight_writes.note()
         mw.consumed()
-    return out
+    return out if evaluated is _NOTSET else evaluated  # torch's step returns the closure's loss
+
+
+def _evaluates_once(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step(closure)`` calls the closure once, before anything
+    else: torch's own optimizers and Apex's (amp_patch.apex), all but LBFGS. A
+    third-party optimizer may call it again after moving the weights (SAM)."""
+    module = type(optimizer).__module__
+    ours = module.startswith("torch.optim") or module.startswith("amp_patch.apex")
+    return ours and not isinstance(optimizer, torch.optim.LBFGS)
 
 
 def _refuse_traced_backward(h: Handle) -> None:

@@ -559,8 +559,50 @@ def test_calls_in_the_wrong_order_raise_state_errors(monkeypatch):
         with pytest.raises(ConfigError, match="loss_id=1"):
             with amp_patch.scale_loss(loss_of(model, 0), opt, loss_id=1):
                 pass
-        with pytest.raises(StateError, match="closure"):
-            opt.step(lambda: loss_of(model, 0))
+        lbfgs = torch.optim.LBFGS(model.parameters())
+        amp_patch.adopt_optimizer(lbfgs)
+        with pytest.raises(StateError, match=r"LBFGS.step\(closure\) is not supported while loss scaling is active"):
+            lbfgs.step(lambda: loss_of(model, 0))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adam])
+def test_a_closure_step_under_fp16_is_the_loop_written_out(level, cls):
+    """``optimizer.step(closure)`` (PyTorch Lightning's automatic optimization
+    calls it so) under FP16 loss scaling: the closure is called once, before the
+    step, as torch's own optimizers call it, so its scaled backward is checked and
+    unscaled, an overflow skips the step, and the step returns the closure's
+    loss. Bit for bit the loop with ``loss.backward(); optimizer.step()``."""
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    runs = []
+    for use_closure in (True, False):
+        model = _mlp()
+        opt = cls(model.parameters(), lr=0.01)
+        with amp(model, opt, level, **FP16) as (model, opt):
+            returned = []
+            for step in range(4):
+                def closure():
+                    opt.zero_grad()
+                    loss = F.mse_loss(model(x).float(), y) * (1e10 if step == 1 else 1.0)  # step 1 overflows
+                    loss.backward()
+                    return loss
+                if use_closure:
+                    returned.append(opt.step(closure))
+                else:
+                    returned.append(closure())
+                    opt.step()
+            c = amp_patch.counters()
+            runs.append(([p.detach().float().clone() for p in model.parameters()], [r.item() for r in returned],
+                         c["skipped"], c["loss_scale"]))
+    (got, got_losses, skipped, scale), (want, want_losses, _, _) = runs
+    assert skipped == 1 and scale == [32768.0]
+    assert got_losses == want_losses
+    assert same(got, want)
 
 
 def test_deinitialize_leaves_true_gradients_and_the_optimizer_as_it_was():
