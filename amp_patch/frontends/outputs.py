@@ -29,7 +29,8 @@ could see. With ``--outputs half`` the guard runs for that alone (``cast=False``
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, List, Optional
+import weakref
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -40,12 +41,15 @@ from ..patching.cast import cast
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
+    from ..precision.model import CastInputs
+    from ..run.session import Session
+
 _in_backward = torch._C._current_graph_task_id  # -1 outside the autograd engine
 _state = threading.local()  # .module: the outermost module being called; .depth: its own nesting
 _active: Optional["OutermostOutputs"] = None
 
 
-def _pre(module: torch.nn.Module, args: tuple) -> None:
+def _pre(module: torch.nn.Module, args: tuple) -> Optional[tuple]:
     guard = _active
     if guard is None:
         return
@@ -62,6 +66,11 @@ def _pre(module: torch.nn.Module, args: tuple) -> None:
         amp = running.session()
         if amp is not None:
             amp.cache.clear()  # half weight copies from before this call may be stale
+            edge = guard.edge(module, amp)
+            if edge is not None:
+                cast = edge(module, args, {})
+                if cast is not None:
+                    return cast[0]
     elif outer is module:
         _state.depth += 1
 
@@ -96,6 +105,30 @@ class OutermostOutputs:
     def __init__(self, cast: bool = True) -> None:
         self.cast = cast
         self.handles: List["RemovableHandle"] = []
+        #: module -> the input cast of the converted model it is inside (None: none),
+        #: for the conversions of ``_edges_of``
+        self._edges: "weakref.WeakKeyDictionary[torch.nn.Module, Optional[CastInputs]]" = weakref.WeakKeyDictionary()
+        self._edges_of: Tuple[int, int] = (0, 0)
+
+    def edge(self, module: torch.nn.Module, amp: "Session") -> Optional["CastInputs"]:
+        """The input cast for an outermost call of ``module``: that of the O2/O3/O5
+        model it is a submodule of. PyTorch Lightning's ``training_step`` calls
+        ``self.net(x)``, not the LightningModule the launcher converted, so without
+        it an FP32 batch would meet half weights. Found once per module and
+        conversion; a model's own call has its own hook."""
+        records = amp.precision.records
+        now = (id(records), len(records))
+        if now != self._edges_of:
+            self._edges.clear()
+            self._edges_of = now
+        try:
+            return self._edges[module]
+        except KeyError:
+            pass
+        found = next((rec.edge for rec in records if rec.edge is not None and rec.model is not module
+                      and any(m is module for m in rec.model.modules())), None)
+        self._edges[module] = found
+        return found
 
     def install(self) -> None:
         global _active

@@ -389,6 +389,9 @@ class Conversion:
         self.handles: List["RemovableHandle"] = []
         self.rnns: List[nn.Module] = []
         self.copyable = False  # copies.install ran on the model
+        #: the model's input cast (O2/O3/O5): what the launcher applies where a
+        #: script calls a submodule with no call of the model around it
+        self.edge: Optional[CastInputs] = None
         #: id(parameter) or (id(module), buffer name) -> _Exact, the pre-cast value
         self.exact: Dict[Union[int, Tuple[int, str]], "_Exact"] = {}
         #: the ones ``state_dict()`` handed out, checked for writes before each forward
@@ -496,7 +499,8 @@ def _convert(rec: "Conversion", dtype: torch.dtype, out_dtype: torch.dtype, keep
     probe = next((p for p, _ in rec.params if p.dtype == dtype), None)
     rec.handles.append(model.register_forward_pre_hook(SyncWritten(probe, dtype)))
     where = next(((m, n) for m in model.modules() for n, p in m._parameters.items() if p is probe), None) if probe is not None else None
-    rec.handles.append(model.register_forward_pre_hook(CastInputs(dtype, where), with_kwargs=True))
+    rec.edge = CastInputs(dtype, where)
+    rec.handles.append(model.register_forward_pre_hook(rec.edge, with_kwargs=True))
     rec.handles.append(model.register_forward_hook(CastOutputs(out_dtype)))
     dtypes: Dict[Any, torch.dtype] = {id(p): d for p, d in rec.params}
     dtypes.update({(id(mod), name): d for mod, name, d in rec.buffers})
@@ -539,7 +543,8 @@ def _convert_sharded(undo: "Owned", rec: "Conversion", dtype: torch.dtype, out_d
             _checkpoint_hooks(mod, save_dtype, rec)
     undo.push(fsdp.apply(model, dtype, fsdp.kept_inside(model, kept_ids)))
     # the parameters a forward sees are FSDP's gathered ones, in their unit's dtype: no probe
-    rec.handles.append(model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True))
+    rec.edge = CastInputs(dtype)
+    rec.handles.append(model.register_forward_pre_hook(rec.edge, with_kwargs=True))
     rec.handles.append(model.register_forward_hook(CastOutputs(out_dtype)))
 
 

@@ -592,6 +592,60 @@ def test_activation_checkpointing_recomputes_what_the_forward_computed(tmp_path,
         assert torch.equal(runs[True][k], v), k
 
 
+_TRAINING_STEP = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+
+class Module(nn.Module):
+    # PyTorch Lightning's shape: the optimizer is over the whole module, and its
+    # training_step calls the network inside, never the module itself
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, x, y):
+        return F.cross_entropy(self.net(x) if DIRECT else self(x), y)
+
+
+torch.manual_seed(0)
+module = Module()
+opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+for _ in range(3):
+    def closure():
+        opt.zero_grad()
+        loss = module.training_step(x, y)
+        loss.backward()
+        return loss
+    loss = opt.step(closure)
+out_dtype = module.net(x).dtype
+final = {k: v.detach().clone() for k, v in module.state_dict().items()}
+"""
+
+
+@pytest.mark.parametrize("level,half", [("O2", "float16"), ("O5", "bfloat16")])
+def test_a_submodule_called_from_outside_the_model_gets_its_inputs_cast(tmp_path, level, half):
+    """O2 converts the module that holds the optimizer's parameters; a script that
+    calls a submodule of it directly (Lightning's training_step: ``self.net(x)``)
+    has its FP32 batch cast at that call, as the model's own forward would, so
+    the run equals the one through the model's forward, bit for bit. Without
+    it the FP32 batch met half weights: "mat1 and mat2 must have the same dtype"."""
+    runs = {}
+    for direct in (True, False):
+        script = write(tmp_path, f"step_{direct}.py", _TRAINING_STEP.replace("torch.manual_seed(0)", f"DIRECT = {direct}\ntorch.manual_seed(0)"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs[direct] = launcher.run(str(script), [], Settings.resolve(opt_level=level, half_dtype=half))
+    assert runs[True]["out_dtype"] == torch.float32  # the outermost call's output, as every launched model's
+    assert runs[True]["module"].net[0].weight.dtype == torch.float32  # back after the run
+    for k, v in runs[False]["final"].items():
+        assert torch.equal(runs[True]["final"][k], v), k
+
+
 _FP16_ON_CPU = """
 import torch, torch.nn as nn
 {imp}
