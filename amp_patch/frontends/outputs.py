@@ -106,9 +106,9 @@ class OutermostOutputs:
         self.cast = cast
         self.handles: List["RemovableHandle"] = []
         #: module -> the input cast of the converted model it is inside (None: none),
-        #: for the conversions of ``_edges_of``
+        #: for the conversion records ``_edges_of`` (the list itself, and its length)
         self._edges: "weakref.WeakKeyDictionary[torch.nn.Module, Optional[CastInputs]]" = weakref.WeakKeyDictionary()
-        self._edges_of: Tuple[int, int] = (0, 0)
+        self._edges_of: Tuple[Optional[list], int] = (None, 0)
 
     def edge(self, module: torch.nn.Module, amp: "Session") -> Optional["CastInputs"]:
         """The input cast for an outermost call of ``module``: that of the O2/O3/O5
@@ -117,10 +117,9 @@ class OutermostOutputs:
         it an FP32 batch would meet half weights. Found once per module and
         conversion; a model's own call has its own hook."""
         records = amp.precision.records
-        now = (id(records), len(records))
-        if now != self._edges_of:
+        if records is not self._edges_of[0] or len(records) != self._edges_of[1]:
             self._edges.clear()
-            self._edges_of = now
+            self._edges_of = (records, len(records))
         try:
             return self._edges[module]
         except KeyError:
@@ -141,6 +140,8 @@ class OutermostOutputs:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self._edges.clear()
+        self._edges_of = (None, 0)
         if _active is self:
             _active = None
         _state.module = None
