@@ -312,6 +312,7 @@ class Launch:
         self.settings = settings
         self.amp: Optional[Session] = None  # the session this launch started, if any
         self.stepped_aside = False
+        self.aside_why: Optional[str] = None  # what showed the script runs its own mixed precision
         #: what start() changed outside the session (alias, optimizer hook,
         #: forward hook): this launch's entries on the process's undo stack, which stop() unwinds
         self.undo = Owned(self)
@@ -358,6 +359,10 @@ class Launch:
                 hook = OptimizerHook(self._on_optimizer)
                 hook.install()
                 self.undo.push(hook.uninstall)
+                scalers = Patcher(Owned(self))
+                scalers.apply([(torch.amp.GradScaler, "__init__",
+                                lambda old: wrapt.FunctionWrapper(old, self._built_grad_scaler))])
+                self.undo.push(scalers.unpatch_all)
             if self.settings.output_dtype is not None or level in FUNCTION_LEVELS:
                 # models nobody paired (built after initialize, for evaluation) return FP32 too;
                 # and, the models being unknown at O1/O4, each outermost module call starts
@@ -380,8 +385,9 @@ class Launch:
     def summary(self) -> str:
         """What ran, after ``stop()``: see ``summary``."""
         figures = running.last_ended()
-        return summary(self.settings, self.by_script, None if figures is self._ended_before else figures,
-                       self.stepped_aside)
+        if figures is self._ended_before or (self.aside_why is not None and not self.by_script):
+            figures = None  # nothing ran, or only the launcher's run it ended on stepping aside
+        return summary(self.settings, self.by_script, figures, self.aside_why)
 
     def _mark(self, amp: Session) -> None:
         self.amp = amp
@@ -431,6 +437,27 @@ class Launch:
         if self._ours():
             self._release_held()
 
+    def _built_grad_scaler(self, wrapped, instance, args, kwargs):
+        wrapped(*args, **kwargs)
+        self._on_grad_scaler(instance)
+
+    def _step_aside(self, what: str) -> None:
+        """The script runs its own mixed precision (``what`` shows it): the launcher's
+        AMP goes, and the script runs as it was written."""
+        log.info("amp_patch: the script runs its own mixed precision (%s); the launcher turns its own AMP off "
+                 "and leaves the script as it is", what)
+        self.stepped_aside = True
+        self.aside_why = what
+        if self.amp is not None and running.session() is self.amp:
+            frontend.deinitialize()
+
+    def _on_grad_scaler(self, scaler: Any) -> None:
+        # torch.amp.GradScaler (torch.cuda.amp's too): the script scales its own
+        # loss. A second scaler would scale it twice, and FP16 gradients of a loss
+        # scaled by 2**32 overflow at every step, so nothing would train.
+        if self._ours() and scaler.is_enabled():
+            self._step_aside("torch.amp.GradScaler")
+
     def _carry(self, optimizer: torch.optim.Optimizer) -> None:
         """The loss scaler's state in ``optimizer``'s checkpoints (``carry``), until the launch stops."""
         self.undo.push(carry.Carry(optimizer))
@@ -472,11 +499,7 @@ class Launch:
             # keeps its own masters and loss scale, which a second scaler would
             # double, and its half model was never meant to meet O1's casts.
             # It ran without apex.amp, so it runs without amp_patch's AMP too.
-            log.info("amp_patch: %s is over FP16/BF16 parameters, so the script runs its own mixed precision; "
-                     "the launcher turns its own AMP off and leaves the script as it is", type(optimizer).__name__)
-            self.stepped_aside = True
-            if self.amp is not None and running.session() is self.amp:
-                frontend.deinitialize()
+            self._step_aside(f"an optimizer over FP16/BF16 parameters, {type(optimizer).__name__}")
             return
         if self.settings.opt_level in FUNCTION_LEVELS:
             frontend.adopt_optimizer(optimizer)
@@ -567,7 +590,7 @@ def banner(settings: Settings, script: Optional[str] = None) -> str:
     return line
 
 
-def summary(settings: Settings, by_script: Optional[bool], figures: Optional[running.Ended], aside: bool) -> str:
+def summary(settings: Settings, by_script: Optional[bool], figures: Optional[running.Ended], aside: Optional[str]) -> str:
     """The line ``amp-patch run`` prints after the script: who set the run's
     settings, steps taken and skipped, the final loss scale, the ops cast.
 
@@ -575,12 +598,13 @@ def summary(settings: Settings, by_script: Optional[bool], figures: Optional[run
         by_script: True when the script's own ``initialize`` set the last run,
             False when the launcher did, None when no run was on at the end.
         figures: the last run's figures (``running.last_ended()``), None if none ran.
-        aside: the launcher turned its AMP off for a script that runs its own
-            half precision.
+        aside: what showed that the script runs its own mixed precision (an
+            optimizer over half parameters, a ``GradScaler``), for which the
+            launcher turned its AMP off; None if it did not.
     """
     if figures is None:
         if aside:
-            why = "the script runs its own half precision (an optimizer over FP16/BF16 parameters), so the launcher turned its AMP off"
+            why = f"the script runs its own mixed precision ({aside}), so the launcher turned its AMP off"
         elif settings.opt_level == "O0":
             why = "nothing to do at O0"
         elif settings.opt_level in MODEL_LEVELS:

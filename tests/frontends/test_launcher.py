@@ -646,6 +646,61 @@ def test_a_submodule_called_from_outside_the_model_gets_its_inputs_cast(tmp_path
         assert torch.equal(runs[True]["final"][k], v), k
 
 
+_NATIVE_AMP = """
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu", enabled=ENABLED)
+x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+for _ in range(4):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ENABLED):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+"""
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_script_with_its_own_grad_scaler_runs_as_written(tmp_path, level):
+    """A native-AMP script (``torch.amp.GradScaler`` and ``autocast``) scales its
+    own loss: under the launcher's FP16 scaler too, every gradient of a loss
+    scaled twice overflowed and no step was ever taken, silently. The launcher
+    now turns its AMP off when the script builds an enabled GradScaler, says
+    why, and the run is the script's own, bit for bit. A disabled one (the
+    script's AMP flag off) leaves the launcher on."""
+    from amp_patch.base import running as running_state
+
+    script = write(tmp_path, "native.py", _NATIVE_AMP.replace("torch.manual_seed(0)", "ENABLED = True\ntorch.manual_seed(0)"))
+    alone = runpy_run(script)
+    launch = launcher.Launch(Settings.resolve(opt_level=level, half_dtype="float16"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        launch.start()
+        try:
+            out = runpy_run(script)
+        finally:
+            launch.stop()
+    assert launch.summary().endswith(
+        "no mixed-precision run (the script runs its own mixed precision (torch.amp.GradScaler), so the launcher "
+        "turned its AMP off)")
+    for k, v in alone["final"].items():
+        assert torch.equal(out["final"][k], v), k
+    off = write(tmp_path, "native_off.py", _NATIVE_AMP.replace("torch.manual_seed(0)", "ENABLED = False\ntorch.manual_seed(0)"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        launcher.run(str(off), [], Settings.resolve(opt_level=level, half_dtype="float16"))
+    assert running_state.last_ended().counters["steps"] + running_state.last_ended().counters["skipped"] == 4
+
+
+def runpy_run(path):
+    import runpy
+    return runpy.run_path(str(path), run_name="__main__")
+
+
 _FP16_ON_CPU = """
 import torch, torch.nn as nn
 {imp}
