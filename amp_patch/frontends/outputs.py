@@ -45,14 +45,17 @@ if TYPE_CHECKING:
     from ..run.session import Session
 
 _in_backward = torch._C._current_graph_task_id  # -1 outside the autograd engine
+_compiling = torch.compiler.is_compiling
 _state = threading.local()  # .module: the outermost module being called; .depth: its own nesting
 _active: Optional["OutermostOutputs"] = None
 
 
 def _pre(module: torch.nn.Module, args: tuple) -> Optional[tuple]:
     guard = _active
-    if guard is None:
-        return
+    if guard is None or _compiling():
+        # a compiled module's call: its eager wrapper's own call is the outermost one
+        # (tracing the bookkeeping into the graph would store the module from inside it)
+        return None
     outer = getattr(_state, "module", None)
     if outer is None:
         if isinstance(module, torch.jit.ScriptModule):
@@ -76,7 +79,7 @@ def _pre(module: torch.nn.Module, args: tuple) -> Optional[tuple]:
 
 
 def _end(module: torch.nn.Module, args: tuple, output: object) -> object:
-    if getattr(_state, "module", None) is not module:
+    if _compiling() or getattr(_state, "module", None) is not module:
         return None
     _state.depth -= 1
     if _state.depth:

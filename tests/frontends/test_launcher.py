@@ -701,6 +701,54 @@ def runpy_run(path):
     return runpy.run_path(str(path), run_name="__main__")
 
 
+_COMPILED = """
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+model = Net()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+run = torch.compile(model) if COMPILE else model
+x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+losses = []
+for _ in range(3):
+    opt.zero_grad()
+    out = run(x)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["O1", "O5"])
+def test_a_model_the_script_compiles_trains_under_the_launcher(tmp_path, level):
+    """``torch.compile(model)`` in a launched script (Hugging Face's
+    ``torch_compile=True`` does it too): dynamo traced the launcher's global
+    outermost-call hooks into the graph and failed ("UnspecializedNNModuleVariable
+    is already tracked for mutation"). The compiled module's eager wrapper makes
+    the outermost call; the compiled run follows the eager one."""
+    runs = {}
+    for on in (True, False):
+        script = write(tmp_path, f"compiled_{on}.py", _COMPILED.replace("torch.manual_seed(0)", f"COMPILE = {on}\ntorch.manual_seed(0)"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs[on] = launcher.run(str(script), [], Settings.resolve(opt_level=level, half_dtype="bfloat16"))
+    assert runs[True]["out"].dtype == torch.float32  # the outermost call's output, cast as in eager
+    torch.testing.assert_close(runs[True]["losses"], runs[False]["losses"], rtol=2e-2, atol=0)
+
+
 _FP16_ON_CPU = """
 import torch, torch.nn as nn
 {imp}
