@@ -103,6 +103,24 @@ for step in range(20):
 """
 
 
+# native AMP: the script scales its own loss with torch.amp.GradScaler
+NATIVE_AMP = """
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu")
+x = torch.randn(64, 16)
+y = x[:, :4].argmax(1)
+for step in range(10):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+
+
 def run_compare(args, cwd, timeout=600):
     res = subprocess.run([sys.executable, "-m", "amp_patch", "compare", *args], cwd=cwd, capture_output=True,
                          text=True, timeout=timeout)
@@ -242,6 +260,20 @@ def test_a_level_that_ran_in_fp32_says_so_and_claims_no_speedup(tmp_path):
     assert "bfloat16" in o4 and "O4: stayed within" in res.stdout  # O1/O4 need no optimizer
     _, by_level = read_csv(out / "compare.csv")
     assert {r["opt_level"] for r in by_level["O5"]} == {"O0"}
+
+
+@pytest.mark.slow
+def test_a_script_with_its_own_grad_scaler_is_compared_as_the_fp32_run_it_is(tmp_path):
+    """The launcher turns its AMP off for a script with its own GradScaler: the
+    level is reported as FP32, with that reason, not as an O1 that ran."""
+    script = write(tmp_path, "native.py", NATIVE_AMP)
+    res = run_compare(["--steps", "6", "--levels", "FP32,O1", "--half-dtype", "float16", "--out", str(tmp_path / "out"),
+                       str(script)], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ("O1: ran in FP32, not at O1: the script runs its own mixed precision (torch.amp.GradScaler), so the "
+            "launcher turned its AMP off") in res.stdout
+    _, by_level = read_csv(tmp_path / "out" / "compare.csv")
+    assert {r["opt_level"] for r in by_level["O1"]} == {"O0"}
 
 
 @pytest.mark.slow
