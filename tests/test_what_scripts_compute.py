@@ -100,6 +100,32 @@ def test_a_backward_with_no_optimizer_attached_says_nothing_scaled_it(half):
             assert torch.equal(p.grad, g)
 
 
+def test_a_grad_scaler_kept_beside_initialize_is_named_once():
+    """``initialize`` added to a native-AMP loop that kept its GradScaler: the loss
+    is scaled twice. The script's first ``scaler.scale()`` says so, once, with
+    the fix; a disabled scaler, or BF16 (nothing scaled), says nothing; and the
+    patch goes with ``deinitialize``."""
+    original = torch.amp.GradScaler.scale
+    for half, enabled, want in (("float16", True, 1), ("float16", False, 0), ("bfloat16", True, 0)):
+        model = _net(0, 4, 8, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", enabled=enabled)
+        x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+        with _quiet():
+            warnings.simplefilter("ignore")  # FP16 on a CPU
+            amp_patch.initialize(model, opt, "O1", verbosity=1, half_dtype=getattr(torch, half))
+        with _deinit(), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                opt.zero_grad()
+                scaler.scale(F.cross_entropy(model(x).float(), y)).backward()
+        said = [str(w.message) for w in seen if "GradScaler.scale() under amp_patch's loss scaling" in str(w.message)]
+        assert len(said) == want, (half, enabled, said)
+        if want:
+            assert "this loss is scaled twice" in said[0] and "enabled=False" in said[0]
+        assert torch.amp.GradScaler.scale is original
+
+
 def test_an_overflow_in_a_foreign_gradient_skips_the_step_and_is_zeroed():
     """D's last bias gathers the whole scaled loss (65536 > FP16's 65504): the
     attached optimizer skips and backs off, and D's optimizer, which amp_patch

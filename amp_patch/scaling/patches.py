@@ -46,6 +46,28 @@ def _make_clip_patch(run: LossScaling):
     return lambda original: OpWrapper(original, clip)
 
 
+def _make_grad_scaler_patch(run: LossScaling):
+    """``torch.amp.GradScaler.scale``: said once, the script's own scaler scales a
+    loss amp_patch's scales too (``initialize`` added to a native-AMP loop that
+    kept its GradScaler): every gradient is scaled twice, and FP16 overflows."""
+    live = run.hooks.live
+
+    def scale(wrapped, instance, args, kwargs):
+        if (live() and not run.warned_grad_scaler and run.notices.verbosity and instance.is_enabled()
+                and any(s.active for s in run.scalers)):
+            run.warned_grad_scaler = True
+            diagnostics.warn_user(
+                "torch.amp.GradScaler.scale() under amp_patch's loss scaling: amp_patch scales the loss of "
+                "loss.backward() itself, so this loss is scaled twice and its FP16 gradients overflow (every step "
+                "skipped). Remove the GradScaler (scaler.scale(loss).backward() becomes loss.backward(), "
+                "scaler.step(optimizer) becomes optimizer.step(); drop scaler.update()), or build it with "
+                "enabled=False."
+            )
+        return wrapped(*args, **kwargs)
+
+    return lambda original: wrapt.FunctionWrapper(original, scale)
+
+
 def _to_masters(run: LossScaling, parameters: Union[Tensor, Iterable[object]]) -> List[object]:
     """Parameters with each half model parameter replaced by its FP32 master."""
     if isinstance(parameters, Tensor):
@@ -74,6 +96,8 @@ def ensure_patches(run: LossScaling) -> None:
         items.append((torch.Tensor, "backward", make_backward_patch(run)))
     if any(s.active for s in run.scalers) or run.config.master_weights:
         items += [(owner, name, _make_clip_patch(run)) for owner, name in _clip_targets()]
+    if any(s.active for s in run.scalers):
+        items.append((torch.amp.GradScaler, "scale", _make_grad_scaler_patch(run)))
     run.hooks.patch(items)  # skips what is patched already
 
 

@@ -218,6 +218,7 @@ class LossScaling:
         self.plain = False  # the patched backward has work to do
         self.notices = _Notices(config.verbosity)
         self.warned_foreign = False  # said once that a backward reached an unattached optimizer's parameters
+        self.warned_grad_scaler = False  # said once that a GradScaler of the script's scales a loss too
         self.round: set = set()  # ids of the handles that stepped in this round (``count_unscaled``)
         self.configure(config)
 
