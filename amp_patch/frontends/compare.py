@@ -41,7 +41,6 @@ import math
 import os
 import platform
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -214,7 +213,7 @@ def child(spec_path: Optional[str] = None) -> int:
     follower.install()
     _force_level(level, half, calls, bool(spec.get("find_overflow")))
     started = time.perf_counter()
-    launcher.last_summary = None
+    launcher.last_no_run = None
     try:
         settings = launcher.Settings.resolve(opt_level=level, half_dtype=half, lists=spec.get("lists") or ())
         launcher.run(spec["script"], spec["args"], settings, stream=sys.stderr if spec.get("verbose") else None)
@@ -234,10 +233,10 @@ def child(spec_path: Optional[str] = None) -> int:
     ended_at = time.perf_counter()
     follower.collect_provenance()
     result.update(_child_figures(follower, ended_at, started, calls))
-    result["summary"] = launcher.last_summary
-    if launcher.last_summary is not None and "no mixed-precision run" in launcher.last_summary:
-        # the launcher stepped aside (the script runs its own mixed precision): the
-        # session it had started ended unused, and the script ran as written
+    result["no_run"] = launcher.last_no_run
+    if launcher.last_no_run is not None:
+        # e.g. the launcher stepped aside (the script runs its own mixed precision):
+        # a session it had started ended unused, and the script ran as written
         result["opt_level"], result["half_dtype"] = "O0", "float32"
     with open(spec["out"], "w", encoding="utf-8") as f:
         json.dump(result, f)
@@ -297,7 +296,7 @@ class LevelRun:
     log: str
     calls: List[Dict[str, Any]]
     provenance: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
-    summary: Optional[str] = None  # the launcher's closing line in that process
+    no_run: Optional[str] = None  # why that process ran no mixed precision (the launcher's reason)
 
     @property
     def losses(self) -> List[float]:
@@ -306,10 +305,7 @@ class LevelRun:
     @property
     def fell_back(self) -> Optional[str]:
         """Why a mixed-precision level ran in FP32 (the launcher's reason), or None."""
-        if LEVELS[self.name][0] == "O0" or self.opt_level != "O0":
-            return None
-        why = re.search(r"no mixed-precision run \((.*)\)\s*$", self.summary or "")
-        return why.group(1) if why else "the launcher started no mixed-precision run"
+        return None if LEVELS[self.name][0] == "O0" else self.no_run
 
 
 @dataclasses.dataclass
@@ -488,7 +484,7 @@ def run_level(opts: Options, name: str, find_overflow: bool = False, steps: Opti
             return LevelRun(name, opt_level, half or "", [], "error",
                             f"its process ended (exit code {rc}) before it reported; see {log_path}", wall, log_path, [])
     return LevelRun(name, got["opt_level"], got["half_dtype"], got["rows"], got["ended"], got["error"], got["wall_s"],
-                    log_path, got["calls"], got["provenance"], got.get("summary"))
+                    log_path, got["calls"], got["provenance"], got.get("no_run"))
 
 
 def _tail(path: str, n: int = 15) -> str:

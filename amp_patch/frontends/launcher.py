@@ -382,12 +382,20 @@ class Launch:
         self.by_script = (current is not self.amp) if current is not None else (self.amp is None)
         self.undo.pop_to(0)
 
-    def summary(self) -> str:
-        """What ran, after ``stop()``: see ``summary``."""
+    def figures(self) -> Optional[running.Ended]:
+        """The figures of the mixed-precision run this launch saw, after ``stop()``; None if none ran."""
         figures = running.last_ended()
         if figures is self._ended_before or (self.aside_why is not None and not self.by_script):
-            figures = None  # nothing ran, or only the launcher's run it ended on stepping aside
-        return summary(self.settings, self.by_script, figures, self.aside_why)
+            return None  # nothing ran, or only the launcher's run it ended on stepping aside
+        return figures
+
+    def no_run(self) -> Optional[str]:
+        """Why no mixed precision ran, after ``stop()``; None if it did."""
+        return no_run_reason(self.settings, self.aside_why) if self.figures() is None else None
+
+    def summary(self) -> str:
+        """What ran, after ``stop()``: see ``summary``."""
+        return summary(self.settings, self.by_script, self.figures(), self.aside_why)
 
     def _mark(self, amp: Session) -> None:
         self.amp = amp
@@ -590,6 +598,17 @@ def banner(settings: Settings, script: Optional[str] = None) -> str:
     return line
 
 
+def no_run_reason(settings: Settings, aside: Optional[str]) -> str:
+    """Why a launch ran no mixed precision (``summary``'s words; ``aside`` as there)."""
+    if aside:
+        return f"the script runs its own mixed precision ({aside}), so the launcher turned its AMP off"
+    if settings.opt_level == "O0":
+        return "nothing to do at O0"
+    if settings.opt_level in MODEL_LEVELS:
+        return "the script built no optimizer for the launcher to attach its model to"
+    return "the script turned it off"
+
+
 def summary(settings: Settings, by_script: Optional[bool], figures: Optional[running.Ended], aside: Optional[str]) -> str:
     """The line ``amp-patch run`` prints after the script: who set the run's
     settings, steps taken and skipped, the final loss scale, the ops cast.
@@ -603,15 +622,7 @@ def summary(settings: Settings, by_script: Optional[bool], figures: Optional[run
             launcher turned its AMP off; None if it did not.
     """
     if figures is None:
-        if aside:
-            why = f"the script runs its own mixed precision ({aside}), so the launcher turned its AMP off"
-        elif settings.opt_level == "O0":
-            why = "nothing to do at O0"
-        elif settings.opt_level in MODEL_LEVELS:
-            why = "the script built no optimizer for the launcher to attach its model to"
-        else:
-            why = "the script turned it off"
-        return PREFIX + f"done: no mixed-precision run ({why})"
+        return PREFIX + f"done: no mixed-precision run ({no_run_reason(settings, aside)})"
     rep, c = figures.report, figures.counters
     who = "the script's own initialize" if by_script else "the launcher"
     scales = c["loss_scale"]
@@ -650,8 +661,8 @@ def check_script(script: Union[str, os.PathLike]) -> str:
     return path
 
 
-#: the ``summary`` line of the last ``run`` in this process (said or not): what ran, or why nothing did
-last_summary: Optional[str] = None
+#: why the last ``run`` in this process ran no mixed precision (``Launch.no_run``); None if it did
+last_no_run: Optional[str] = None
 
 
 def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Optional[Settings] = None,
@@ -698,21 +709,21 @@ def run(script: Union[str, os.PathLike], args: Sequence[str] = (), settings: Opt
         _restore(saved_argv, saved_path)
         try:
             launch.stop()
-            _said(stream, launch.summary())
+            _said(stream, launch)
         except Exception:  # the script's own error is the one to report
             log.exception("amp_patch: cleaning up after the script failed")
         raise
     _restore(saved_argv, saved_path)
     launch.stop()
-    _said(stream, launch.summary())
+    _said(stream, launch)
     return result
 
 
-def _said(stream: Optional[TextIO], line: str) -> None:
-    """The summary line, kept in ``last_summary`` and said."""
-    global last_summary
-    last_summary = line
-    _say(stream, line)
+def _said(stream: Optional[TextIO], launch: Launch) -> None:
+    """The summary line said, and why nothing ran kept in ``last_no_run``."""
+    global last_no_run
+    last_no_run = launch.no_run()
+    _say(stream, launch.summary())
 
 
 def _say(stream: Optional[TextIO], line: str) -> None:

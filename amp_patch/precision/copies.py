@@ -177,6 +177,17 @@ def install_save_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
         model.__dict__["save_pretrained"] = _SavePretrained(model, dtype)
 
 
+def _none(*args: object) -> None:
+    return None
+
+
+def install_hook_drop(model: nn.Module) -> None:
+    """The copy rule of a model amp_patch did not convert (its tensors keep their
+    dtypes): copies and pickles of it leave amp_patch's hooks behind
+    (``drop_on_copy``'s types) and change nothing else."""
+    install(model, Plan(_none, {}, (), _none))
+
+
 def install(model: nn.Module, plan: Plan) -> None:
     """Make copies and pickles of every module of ``model`` plain FP32 modules."""
     for mod in model.modules():

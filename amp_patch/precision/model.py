@@ -636,13 +636,9 @@ def cast_outputs(conv: Conversions, model: nn.Module) -> None:
     if "__deepcopy__" not in model.__dict__:
         # a copy or pickle (torch.save(model)) leaves the hook behind: the
         # launcher's models have no other copy rule at O1
-        copies.install(model, copies.Plan(_none, {}, _HOOK_TYPES, _none))
+        copies.install_hook_drop(model)
         rec.copyable = True
     rec.handles.append(model.register_forward_hook(CastOutputs(conv.config.cast_model_outputs)))
-
-
-def _none(*args: object) -> None:
-    return None
 
 
 class _Unconvert:

@@ -98,10 +98,6 @@ class _Unwatch:
             copies.remove(self.model)
 
 
-def _no_value(*args: object) -> None:
-    return None
-
-
 def watch(amp: "Session", models: Sequence[torch.nn.Module]) -> None:
     """Track the forwards of ``models`` as work in flight of ``amp``'s session.
 
@@ -120,6 +116,6 @@ def watch(amp: "Session", models: Sequence[torch.nn.Module]) -> None:
         handles: List["RemovableHandle"] = []
         amp.undo.push(_Unwatch(m, handles, copyable))
         if copyable:
-            copies.install(m, copies.Plan(_no_value, {}, HOOK_TYPES, _no_value))
+            copies.install_hook_drop(m)
         handles.append(m.register_forward_pre_hook(ForwardStart(shared), prepend=True))
         handles.append(m.register_forward_hook(ForwardEnd(shared), always_call=True))
